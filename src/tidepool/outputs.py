@@ -1,0 +1,106 @@
+"""Output objects, with vLLM's class and field names so user code ports unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor
+    """The pooled tensor: [hidden] for a sequence task, [num_tokens, hidden] for a token task."""
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        data = out.outputs.data
+        if data.dim() != 1:
+            raise ValueError("an embedding output must be 1-D; use encode() for token embeddings")
+        return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(data.tolist()), True)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(
+            out.request_id, out.prompt_token_ids, ClassificationOutput(out.outputs.data.tolist())
+        )
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
+class RequestError:
+    """Why one request of a batch failed; the others are unaffected."""
+
+    index: int
+    message: str
+
+
+@dataclass
+class BatchInputError(ValueError):
+    """Some prompts of a call were invalid.
+
+    Raised after every valid prompt has been computed: ``outputs`` holds their results in prompt
+    order (None where the prompt failed), so a caller loses nothing.
+    """
+
+    errors: list[RequestError]
+    outputs: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        shown = "; ".join(f"prompt {e.index}: {e.message}" for e in self.errors[:5])
+        more = f" (and {len(self.errors) - 5} more)" if len(self.errors) > 5 else ""
+        return f"{len(self.errors)} invalid prompt(s): {shown}{more}"

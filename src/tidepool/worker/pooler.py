@@ -1,0 +1,185 @@
+"""Poolers on the flat token stream: a pooling method, then a head chosen per request.
+
+    hidden [num_tokens, hidden]  ──method──▶  pooled [num_seqs, hidden]   (CLS, MEAN, LAST, MAX)
+                                 └─ALL────▶  per-sequence [len_i, hidden] (token tasks)
+    pooled ──embed──▶ Dense modules → normalize → Matryoshka (truncate, renormalize)
+           ──classify / score──▶ model.compute_logits → softmax (sigmoid for one label)
+
+Everything a request's output needs is computed in one batched op per step where possible; the
+per-request loop only slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidepool.config import ModelConfig
+from tidepool.models.loader import DenseModule
+from tidepool.params import PoolingParams
+
+
+@dataclass(frozen=True)
+class PoolingMetadata:
+    seq_lens: list[int]
+    cu_seqlens: torch.Tensor
+    """[num_seqs + 1] int64 on the model's device."""
+    params: list[PoolingParams]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def _seq_ids(meta: PoolingMetadata, device: torch.device) -> torch.Tensor:
+    lens = torch.tensor(meta.seq_lens, device=device)
+    return torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), lens)
+
+
+def _pool_cls(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    return hidden.index_select(0, meta.cu_seqlens[:-1])
+
+
+def _pool_last(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    return hidden.index_select(0, meta.cu_seqlens[1:] - 1)
+
+
+def _pool_mean(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    sums = hidden.new_zeros(meta.num_seqs, hidden.shape[1], dtype=torch.float32)
+    sums.index_add_(0, _seq_ids(meta, hidden.device), hidden.float())
+    lens = torch.tensor(meta.seq_lens, device=hidden.device, dtype=torch.float32)
+    return sums / lens[:, None]
+
+
+def _pool_max(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    index = _seq_ids(meta, hidden.device)[:, None].expand_as(hidden)
+    out = hidden.new_full((meta.num_seqs, hidden.shape[1]), float("-inf"))
+    return out.scatter_reduce_(0, index, hidden, "amax", include_self=True)
+
+
+POOLING_METHODS: dict[str, Callable[[torch.Tensor, PoolingMetadata], torch.Tensor]] = {
+    "CLS": _pool_cls,
+    "LAST": _pool_last,
+    "MEAN": _pool_mean,
+    "MAX": _pool_max,
+}
+
+
+class Pooler(nn.Module):
+    """Turns a step's hidden states into one output tensor per request (on the CPU, float32)."""
+
+    def __init__(self, model_config: ModelConfig, model: nn.Module) -> None:
+        super().__init__()
+        st = model_config.st
+        pooling_type = (st.pooling_mode or getattr(model, "default_pooling_type", "CLS")).upper()
+        if pooling_type not in POOLING_METHODS:
+            raise ValueError(
+                f"pooling mode {pooling_type} is not supported; supported: {sorted(POOLING_METHODS)}"
+            )
+        self.pooling_type = pooling_type
+        self._method = POOLING_METHODS[pooling_type]
+        self.model = model
+        self.task = model_config.task
+        self.num_labels = model_config.num_labels
+        self.dense: list[DenseModule] = [
+            DenseModule(
+                d.weight.to(model_config.device, torch.float32),
+                None if d.bias is None else d.bias.to(model_config.device, torch.float32),
+                d.activation,
+            )
+            for d in st.dense
+        ]
+        # vLLM normalizes embeddings by default; a sentence-transformers pipeline without a
+        # Normalize module says otherwise, and we honour it.
+        self.default_normalize = st.normalize or not st.is_sentence_transformer
+        self.embed_size = (
+            self.dense[-1].weight.shape[0] if self.dense else model_config.hf_config.hidden_size
+        )
+
+    def supported_tasks(self) -> tuple[str, ...]:
+        if self.task == "classify":
+            # "score" = a cross-encoder's relevance: one label, sigmoid.
+            return ("classify", "score") if self.num_labels == 1 else ("classify",)
+        return ("embed", "token_embed")
+
+    def check_params(self, params: PoolingParams) -> None:
+        """Raise ValueError if this model cannot serve `params` (before any work is done)."""
+        if params.task not in self.supported_tasks():
+            raise ValueError(
+                f"task {params.task!r} is not supported by this {self.task} model; "
+                f"supported: {', '.join(self.supported_tasks())}"
+            )
+        if params.dimensions is not None:
+            if params.task not in ("embed", "token_embed"):
+                raise ValueError("dimensions applies to embedding models only")
+            if params.dimensions > self.embed_size:
+                raise ValueError(
+                    f"dimensions={params.dimensions} is larger than the model's embedding size "
+                    f"{self.embed_size}"
+                )
+
+    def _apply_dense(self, x: torch.Tensor) -> torch.Tensor:
+        for d in self.dense:
+            x = F.linear(x, d.weight, d.bias)
+            if d.activation == "tanh":
+                x = torch.tanh(x)
+            elif d.activation not in ("identity",):
+                raise ValueError(f"unsupported Dense activation {d.activation}")
+        return x
+
+    def _finish_embedding(self, x: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """x: [..., embed] float32 → normalized and truncated per the request."""
+        normalize = self.default_normalize if params.normalize is None else params.normalize
+        if params.dimensions is not None:
+            x = x[..., : params.dimensions]
+            normalize = normalize or self.default_normalize
+        if normalize:
+            x = F.normalize(x, p=2, dim=-1)
+        return x
+
+    def _finish_logits(self, logits: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        if params.activation is False:
+            return logits
+        if logits.shape[-1] == 1:
+            return torch.sigmoid(logits)
+        return torch.softmax(logits, dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, meta: PoolingMetadata) -> list[torch.Tensor]:
+        outputs: list[torch.Tensor | None] = [None] * meta.num_seqs
+        seq_rows = [i for i, p in enumerate(meta.params) if not p.task.startswith("token_")]
+        if seq_rows:
+            pooled = self._method(hidden, meta)
+            if len(seq_rows) != meta.num_seqs:
+                pooled = pooled[seq_rows]
+            if self.task == "classify":
+                head = self._finish_logits
+                values = self.model.compute_logits(pooled).float()
+            else:
+                head = self._finish_embedding
+                values = self._apply_dense(pooled.float())
+            values = values.cpu()
+            # Requests with equal head parameters are finished in one batched op.
+            groups: dict[tuple, list[int]] = {}
+            for row, i in enumerate(seq_rows):
+                p = meta.params[i]
+                groups.setdefault((p.normalize, p.dimensions, p.activation), []).append(row)
+            for rows in groups.values():
+                finished = head(values if len(rows) == len(seq_rows) else values[rows],
+                                meta.params[seq_rows[rows[0]]])
+                for j, row in enumerate(rows):
+                    i = seq_rows[row]
+                    out = finished[j]
+                    if meta.params[i].task == "score" and out.numel() == 1:
+                        out = out[0]
+                    outputs[i] = out
+        cu = meta.cu_seqlens.tolist()
+        for i, p in enumerate(meta.params):
+            if p.task.startswith("token_"):
+                tokens = self._apply_dense(hidden[cu[i] : cu[i + 1]].float()).cpu()
+                outputs[i] = self._finish_embedding(tokens, p)
+        return outputs  # type: ignore[return-value]
