@@ -55,6 +55,47 @@ def _as_list(prompts: PromptsArg, what: str = "prompts") -> list:
     )
 
 
+def build_engine_config(
+    model: str = DEFAULT_MODEL,
+    *,
+    runner: str = "auto",
+    convert: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int = 256,
+    seed: int = 0,
+    device: str | None = None,
+    trust_remote_code: bool = False,
+) -> EngineConfig:
+    """The engine configuration from `LLM`'s arguments; shared with the server's AsyncEngine."""
+    if (threads := envs.num_threads()) is not None:
+        torch.set_num_threads(threads)
+    model_config = build_model_config(
+        model,
+        convert=convert,
+        runner=runner,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        device=device,
+        seed=seed,
+        trust_remote_code=trust_remote_code,
+    )
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(16384, model_config.max_model_len)
+    elif max_num_batched_tokens < model_config.max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_model_len="
+            f"{model_config.max_model_len}: an encoder runs each prompt in one step"
+        )
+    return EngineConfig(
+        model=model_config,
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+        ),
+    )
+
+
 class LLM:
     """An engine for offline use. `LLM()` loads the bundled default all-MiniLM-L6-v2."""
 
@@ -78,31 +119,19 @@ class LLM:
             raise TypeError(f"LLM() got unexpected arguments: {sorted(unknown)}")
         if kwargs:
             logger.info("ignoring vLLM arguments that do not apply here: %s", sorted(kwargs))
-        if (threads := envs.num_threads()) is not None:
-            torch.set_num_threads(threads)
-        model_config = build_model_config(
+        self.config = build_engine_config(
             model,
-            convert=convert,
             runner=runner,
+            convert=convert,
             dtype=dtype,
             max_model_len=max_model_len,
-            device=device,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
             seed=seed,
+            device=device,
             trust_remote_code=trust_remote_code,
         )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(16384, model_config.max_model_len)
-        elif max_num_batched_tokens < model_config.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_model_len="
-                f"{model_config.max_model_len}: an encoder runs each prompt in one step"
-            )
-        self.config = EngineConfig(
-            model=model_config,
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
-            ),
-        )
+        model_config = self.config.model
         self.engine = EngineCore(self.config)
         self.input_processor = InputProcessor(model_config)
 
