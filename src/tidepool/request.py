@@ -25,10 +25,25 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     arrival_index: int = field(default=0, compare=False)
+    output_token_ids: list[int] = field(default_factory=list)
+    """Tokens generated so far (empty for pooling requests)."""
+    cache_salt: str | None = None
+    """Mixed into the first block hash: requests with different salts never share cached blocks."""
+    block_hashes: list[bytes] = field(default_factory=list, compare=False, repr=False)
+    """Chained hashes of the full blocks of `all_token_ids`, kept up to date by the KV-cache manager."""
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens (a new list: O(num_tokens))."""
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:
