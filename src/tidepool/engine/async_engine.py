@@ -1,0 +1,369 @@
+"""The server's engine: one EngineCore, driven by one background thread, shared by many callers.
+
+    event loop (one coroutine per HTTP request)          engine thread (the only one to touch
+    ─────────────────────────────────────────            EngineCore)
+    encode(prompts)                                      ─────────────────────────────────────
+      tokenize ── tokenizer thread (run_in_executor)
+      inbox.put(_Submit(group)) ──────────────────────▶  add_request × n
+      await group.future                                 step(): the requests of every caller
+         ◀── loop.call_soon_threadsafe(set_result) ────  that arrived meanwhile share the step
+      cancelled (client gone) → inbox.put(_Abort) ────▶  abort_request × (unfinished of n)
+
+Dynamic batching needs no timer: while a step runs, new requests queue in the inbox, and the next
+step takes all of them (up to the scheduler's token and sequence budgets).
+
+Failure isolation: a request the engine rejects fails its caller alone; a step that raises fails
+only the callers whose requests were in that step, and the loop goes on with the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tidepool.config import EngineConfig, ModelConfig
+from tidepool.engine.engine_core import EngineCore
+from tidepool.engine.input_processor import InputProcessor
+from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
+from tidepool.params import PoolingParams
+from tidepool.request import Request
+
+logger = logging.getLogger("tidepool")
+
+T = TypeVar("T")
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down or has stopped: no new requests are taken."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine step that computed one of this caller's requests raised."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step did; handed to step listeners (metrics) on the engine thread."""
+
+    num_requests: int
+    num_tokens: int
+    seconds: float
+
+
+@dataclass
+class AsyncEngineStats:
+    """Counters written by the engine thread only; other threads read them as samples."""
+
+    num_steps: int = 0
+    num_failed_steps: int = 0
+    num_finished_requests: int = 0
+    num_aborted_requests: int = 0
+    num_unfinished_requests: int = 0
+    """Requests handed to the engine thread and not finished (waiting or in the running step)."""
+    num_waiting_requests: int = 0
+    """Requests in the scheduler's queue, sampled between steps."""
+
+
+class _Group:
+    """The requests of one caller, resolved once: when all have finished, or when one failed."""
+
+    def __init__(self, requests: list[Request], loop: asyncio.AbstractEventLoop) -> None:
+        self.requests = requests
+        self.loop = loop
+        self.future: asyncio.Future[list[PoolingRequestOutput]] = loop.create_future()
+        self.outputs: dict[str, PoolingRequestOutput] = {}
+        self.done = False
+
+    # The methods below run on the engine thread.
+
+    def finish_one(self, out: PoolingRequestOutput) -> None:
+        self.outputs[out.request_id] = out
+        if len(self.outputs) == len(self.requests):
+            self._resolve([self.outputs[r.request_id] for r in self.requests], None)
+
+    def fail(self, exc: BaseException) -> None:
+        self._resolve(None, exc)
+
+    def _resolve(
+        self, result: list[PoolingRequestOutput] | None, exc: BaseException | None
+    ) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            self.loop.call_soon_threadsafe(_set_future, self.future, result, exc)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+
+def _set_future(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():  # cancelled: the caller went away
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+@dataclass
+class _Submit:
+    group: _Group
+
+
+@dataclass
+class _Abort:
+    group: _Group
+
+
+@dataclass
+class _Stop:
+    drain: bool = True
+    """True: finish every request already handed over, then stop. False: fail them and stop."""
+
+
+_Command = _Submit | _Abort | _Stop
+
+
+@dataclass
+class _LoopState:
+    """Engine-thread-only bookkeeping."""
+
+    group_of: dict[str, _Group] = field(default_factory=dict)
+    """request_id → its caller's group, for every unfinished request."""
+    stop: _Stop | None = None
+
+
+class AsyncEngine:
+    """Async front of one EngineCore; safe to call from many coroutines of one event loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._core = EngineCore(config)
+        self.input_processor = InputProcessor(config.model)
+        self.stats = AsyncEngineStats()
+        self._step_listeners: list[Callable[[StepRecord], None]] = []
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        # One tokenizer thread: a fast tokenizer must not be used by two threads at once (its
+        # truncation settings are shared state), and the Rust side already uses several cores.
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tidepool-tokenizer")
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._dead: BaseException | None = None
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **engine_args: Any) -> AsyncEngine:
+        """Build the engine like `LLM(model, **engine_args)` does."""
+        from tidepool.entrypoints.llm import build_engine_config
+        from tidepool.models.loader import DEFAULT_MODEL
+
+        return cls(build_engine_config(model or DEFAULT_MODEL, **engine_args))
+
+    # ------------------------------------------------------------------ info
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.input_processor.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        # Immutable after construction; reading it from another thread is safe.
+        return self._core.model_runner.pooler.supported_tasks()
+
+    def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
+        """Call `listener` on the engine thread after each step (metrics); add before start()."""
+        self._step_listeners.append(listener)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run_loop, name="tidepool-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop taking requests, finish those in flight (at most `timeout_s`), stop the thread."""
+        self._accepting = False
+        if self._thread is not None:
+            self._inbox.put(_Stop(drain=True))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self._thread.join, timeout_s)
+            if self._thread.is_alive():
+                logger.warning("engine did not drain in %.0f s; failing what is left", timeout_s)
+                self._inbox.put(_Stop(drain=False))
+                await loop.run_in_executor(None, self._thread.join, 5.0)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ requests
+
+    async def run_in_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the tokenizer thread: tokenization never blocks the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def encode(
+        self, prompts: Sequence[Any], params: Sequence[PoolingParams]
+    ) -> list[PoolingRequestOutput]:
+        """One output per prompt, in order. Invalid prompts raise BatchInputError (none run)."""
+        items = await self.run_in_tokenizer(self.input_processor.process, prompts, params)
+        return await self.run(_requests_or_raise(items))
+
+    async def encode_pairs(
+        self, pairs: Sequence[tuple[Any, Any]], params: Sequence[PoolingParams]
+    ) -> list[PoolingRequestOutput]:
+        """Cross-encoder pairs, like `encode`."""
+        items = await self.run_in_tokenizer(self.input_processor.process_pairs, pairs, params)
+        return await self.run(_requests_or_raise(items))
+
+    async def run(self, requests: list[Request]) -> list[PoolingRequestOutput]:
+        """Run tokenized requests; cancelling the awaiting task aborts them in the engine."""
+        if self._dead is not None:
+            raise EngineClosedError(f"the engine has stopped after an internal error: {self._dead}")
+        if not self._accepting or self._thread is None:
+            raise EngineClosedError("the engine is not accepting requests (shutting down)")
+        if not requests:
+            return []
+        group = _Group(requests, asyncio.get_running_loop())
+        self._inbox.put(_Submit(group))
+        try:
+            return await group.future
+        except asyncio.CancelledError:
+            self._inbox.put(_Abort(group))
+            raise
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run_loop(self) -> None:
+        state = _LoopState()
+        try:
+            while True:
+                self._handle_commands(state, block=not self._core.has_unfinished_requests())
+                if state.stop is not None and (not state.stop.drain or not state.group_of):
+                    break
+                if self._core.has_unfinished_requests():
+                    self._step(state)
+                elif state.group_of:
+                    # Cannot happen with a correct scheduler; never leave a caller hanging.
+                    self._fail_groups(state, state.group_of, "the engine lost track of the request")
+                self._publish(state)
+        except BaseException as exc:  # a bug in the loop itself: fail everyone, refuse new work
+            logger.exception("the engine loop died")
+            self._dead = exc
+            self._fail_groups(state, state.group_of, f"the engine loop died: {exc!r}")
+            self._fail_inbox(exc)
+            return
+        self._fail_groups(state, state.group_of, "the engine stopped before finishing the request")
+        self._fail_inbox(EngineClosedError("the engine has stopped"))
+
+    def _handle_commands(self, state: _LoopState, block: bool) -> None:
+        """Apply every queued command; wait for one first when there is nothing to compute."""
+        while True:
+            try:
+                command = self._inbox.get(block=block and state.stop is None)
+            except queue.Empty:
+                return
+            block = False
+            if isinstance(command, _Submit):
+                self._add_group(state, command.group)
+            elif isinstance(command, _Abort):
+                self.stats.num_aborted_requests += self._drop_group(state, command.group)
+            else:
+                state.stop = command if state.stop is None or not command.drain else state.stop
+
+    def _add_group(self, state: _LoopState, group: _Group) -> None:
+        if state.stop is not None:
+            group.fail(EngineClosedError("the engine is shutting down"))
+            return
+        for index, request in enumerate(group.requests):
+            try:
+                self._core.add_request(request)
+            except Exception as exc:  # bad parameters for this model: this caller alone fails
+                self._drop_group(state, group)
+                group.fail(BatchInputError([RequestError(index, str(exc))]))
+                return
+            state.group_of[request.request_id] = group
+
+    def _drop_group(self, state: _LoopState, group: _Group) -> int:
+        """Abort the group's unfinished requests in the engine; returns how many there were."""
+        num_dropped = 0
+        for request in group.requests:
+            if state.group_of.pop(request.request_id, None) is not None:
+                self._core.abort_request(request.request_id)
+                num_dropped += 1
+        return num_dropped
+
+    def _step(self, state: _LoopState) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self._core.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests of that step only")
+            self.stats.num_failed_steps += 1
+            self._fail_step(state, exc)
+            return
+        self.stats.num_steps += 1
+        self.stats.num_finished_requests += len(outputs)
+        for out in outputs:
+            group = state.group_of.pop(out.request_id, None)
+            if group is not None:  # None: aborted while its step ran
+                group.finish_one(out)
+        if self._step_listeners and outputs:
+            record = StepRecord(
+                num_requests=len(outputs),
+                num_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+                seconds=time.perf_counter() - start,
+            )
+            for listener in self._step_listeners:
+                try:
+                    listener(record)
+                except Exception:  # metrics must never stop the engine
+                    logger.exception("step listener failed")
+
+    def _fail_step(self, state: _LoopState, exc: Exception) -> None:
+        # The requests of the failed step are the unfinished ones the scheduler no longer holds
+        # as waiting: schedule() took them. Waiting requests are untouched and run next step.
+        waiting = {r.request_id for r in getattr(self._core.scheduler, "waiting", ())}
+        failed = {rid: g for rid, g in state.group_of.items() if rid not in waiting}
+        for request_id in failed:
+            self._core.abort_request(request_id)  # drop the scheduler's state of the request
+        self._fail_groups(state, failed, f"the engine step failed: {exc!r}")
+
+    def _fail_groups(self, state: _LoopState, group_of: dict[str, _Group], why: str) -> None:
+        for group in {id(g): g for g in list(group_of.values())}.values():
+            self._drop_group(state, group)  # the group's other requests are useless now
+            group.fail(EngineStepError(why))
+
+    def _fail_inbox(self, exc: BaseException) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Submit):
+                command.group.fail(EngineClosedError(str(exc)))
+
+    def _publish(self, state: _LoopState) -> None:
+        self.stats.num_unfinished_requests = len(state.group_of)
+        self.stats.num_waiting_requests = int(getattr(self._core.scheduler, "num_waiting", 0))
+
+
+def _requests_or_raise(items: list[Request | RequestError]) -> list[Request]:
+    errors = [item for item in items if isinstance(item, RequestError)]
+    if errors:
+        raise BatchInputError(errors)
+    return items  # type: ignore[return-value]

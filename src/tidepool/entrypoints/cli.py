@@ -1,0 +1,256 @@
+"""The `tidepool` command: `serve` (OpenAI-compatible server) and `embed` (batch jobs, demo).
+
+Flag names follow `vllm serve` so that scripts port by changing the program name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tidepool import envs
+from tidepool.models.loader import DEFAULT_MODEL
+
+logger = logging.getLogger("tidepool")
+
+# `vllm serve` flags that mean nothing here: accepted and ignored so launch scripts keep working.
+_IGNORED_VLLM_FLAGS = (
+    ("--gpu-memory-utilization", float),
+    ("--tensor-parallel-size", int),
+    ("--pipeline-parallel-size", int),
+    ("--swap-space", float),
+    ("--task", str),
+)
+_IGNORED_VLLM_SWITCHES = (
+    "--enforce-eager",
+    "--disable-log-stats",
+    "--disable-log-requests",
+    "--enable-prefix-caching",
+)
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, shared by `serve` and `embed` (names as `vllm serve`)."""
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help=f"model folder or id (default: the bundled {DEFAULT_MODEL})",
+    )
+    parser.add_argument("--model", default=None, help="the model, as a flag (same as MODEL)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt, tokens")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="torch device (default: CUDA if present)")
+    parser.add_argument("--runner", default="auto", choices=["auto", "pooling"])
+    parser.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"])
+    parser.add_argument("--trust-remote-code", action="store_true")
+    for flag, kind in _IGNORED_VLLM_FLAGS:
+        parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
+    for flag in _IGNORED_VLLM_SWITCHES:
+        parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    ignored = [f for f, _ in _IGNORED_VLLM_FLAGS if getattr(args, _dest(f)) is not None]
+    ignored += [f for f in _IGNORED_VLLM_SWITCHES if getattr(args, _dest(f))]
+    if ignored:
+        logger.info("ignoring vLLM flags that do not apply here: %s", ", ".join(ignored))
+    return {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "seed": args.seed,
+        "device": args.device,
+        "runner": args.runner,
+        "convert": args.convert,
+        "trust_remote_code": args.trust_remote_code,
+    }
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _model_arg(args: argparse.Namespace) -> str:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise SystemExit(f"error: two models given: {args.model_tag!r} and --model {args.model!r}")
+    return args.model_tag or args.model or DEFAULT_MODEL
+
+
+# ---------------------------------------------------------------------- serve
+
+
+def _add_serve_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(parser)
+    parser.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (or set TIDEPOOL_API_KEY)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model names clients may use; the first is echoed back",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="larger request bodies get 413",
+    )
+    parser.add_argument(
+        "--max-inputs-per-request",
+        type=int,
+        default=2048,
+        help="more inputs in one request get 413",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        dest="shutdown_timeout_s",
+        type=float,
+        default=30.0,
+        help="seconds to finish in-flight requests on SIGTERM",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tidepool.engine.async_engine import AsyncEngine
+    from tidepool.entrypoints.openai.server import build_app
+
+    model = _model_arg(args)
+    args.api_key = args.api_key or envs.api_key()
+    args.served_model_name = args.served_model_name or [model]
+    engine = AsyncEngine.from_args(model, **_engine_kwargs(args))
+    app = build_app(engine, args)
+    logger.info("serving %s as %s", model, ", ".join(args.served_model_name))
+    # uvicorn turns SIGTERM / SIGINT into a graceful shutdown: it stops accepting connections,
+    # lets in-flight requests finish (up to the timeout), then the app's lifespan drains the engine.
+    config = uvicorn.Config(
+        app,
+        host=args.host if args.host is not None else "0.0.0.0",
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=int(args.shutdown_timeout_s),
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+# ---------------------------------------------------------------------- embed
+
+
+def _add_embed_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "embed",
+        help="embed a file of texts (resumable), or --demo",
+        description="Embed INPUT (.txt, .jsonl, .parquet) into OUTPUT (.jsonl, .parquet, .npy). "
+        "A rerun with the same arguments resumes after the rows already written.",
+    )
+    _add_engine_args(parser)
+    parser.add_argument("--input", "-i", type=Path, default=None)
+    parser.add_argument("--output", "-o", type=Path, default=None)
+    parser.add_argument("--text-field", default="text", help="jsonl key / parquet column of texts")
+    parser.add_argument("--id-field", default=None, help="copy this key / column to the output")
+    parser.add_argument("--chunk-size", type=int, default=512, help="rows embedded per write")
+    parser.add_argument(
+        "--truncate-prompt-tokens",
+        type=int,
+        default=-1,
+        help="keep the first N tokens; -1 (default) = the model's maximum",
+    )
+    parser.add_argument(
+        "--no-truncate",
+        action="store_true",
+        help="fail on texts longer than the model's maximum instead",
+    )
+    parser.add_argument("--dimensions", type=int, default=None, help="Matryoshka truncation")
+    parser.add_argument("--overwrite", action="store_true", help="start again, do not resume")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="embed a built-in sample corpus offline and print throughput",
+    )
+    parser.add_argument("--num-demo-texts", type=int, default=300)
+    parser.set_defaults(func=cmd_embed)
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    from tidepool import LLM
+    from tidepool.entrypoints.batch_embed import EmbedJob, JobError, run_demo, run_embed_job
+
+    if not args.demo and (args.input is None or args.output is None):
+        raise SystemExit("error: tidepool embed needs --input and --output (or --demo)")
+    if args.chunk_size < 1:
+        raise SystemExit("error: --chunk-size must be >= 1")
+    if args.input is not None and not args.input.is_file():
+        raise SystemExit(f"error: no input file {args.input}")
+    llm = LLM(_model_arg(args), **_engine_kwargs(args))
+    if args.demo:
+        run_demo(llm, args.num_demo_texts)
+        return 0
+    job = EmbedJob(
+        input=args.input,
+        output=args.output,
+        text_field=args.text_field,
+        id_field=args.id_field,
+        chunk_size=args.chunk_size,
+        truncate_prompt_tokens=None if args.no_truncate else args.truncate_prompt_tokens,
+        dimensions=args.dimensions,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    try:
+        num_embedded = run_embed_job(llm, job)
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"embedded {num_embedded} rows into {args.output}")
+    return 0
+
+
+# ---------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidepool", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(subparsers)
+    _add_embed_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Request and response schemas of the OpenAI-compatible server, with vLLM's field names.
+
+Schemas only: no logic beyond field types and defaults. Unknown request fields are accepted and
+ignored (as vLLM and OpenAI do), so clients that send extras (`user`, Cohere's `max_tokens_per_doc`)
+work unchanged. The content fields (`input`, `text_1`, `documents`...) are typed loosely on purpose:
+the server checks them itself to answer 400 with the exact reason ("input[3] is an empty string")
+instead of a generic schema error.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+
+# ---------------------------------------------------------------------- errors
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+    """The HTTP status, as vLLM sets it."""
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------- shared
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+# ---------------------------------------------------------------------- embeddings / pooling
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    model: str | None = None
+    input: Any
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    """Keep the first N tokens of each input; -1 = the model's maximum (vLLM extension)."""
+    normalize: bool | None = None
+    """L2-normalize (vLLM extension); None = what the model's configuration says."""
+
+
+class EmbeddingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("embd"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: UsageInfo
+
+
+class PoolingRequest(EmbeddingRequest):
+    task: str | None = None
+    """"embed", "classify", "score", "token_embed"...; None = the model's own task."""
+    activation: bool | None = None
+
+
+class PoolingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[Any] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("pool"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingResponseData]
+    usage: UsageInfo
+
+
+# ---------------------------------------------------------------------- classify
+
+
+class ClassificationRequest(OpenAIBaseModel):
+    model: str | None = None
+    input: Any
+    """A string or a list of strings (token ids also accepted)."""
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+    activation: bool | None = None
+
+
+class ClassificationData(OpenAIBaseModel):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("classify"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: UsageInfo
+
+
+# ---------------------------------------------------------------------- score / rerank
+
+
+class ScoreRequest(OpenAIBaseModel):
+    model: str | None = None
+    text_1: Any
+    """A string or a list of strings: 1-to-N against text_2 with one item, else N-to-N."""
+    text_2: Any
+    truncate_prompt_tokens: int | None = None
+    activation: bool | None = None
+
+
+class ScoreResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("score"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreResponseData]
+    usage: UsageInfo
+
+
+class RerankRequest(OpenAIBaseModel):
+    model: str | None = None
+    query: Any
+    documents: Any
+    """Strings, or objects with a "text" field (as Cohere v1 and Jina clients may send)."""
+    top_n: int | None = None
+    """Keep the best N results; None or 0 = all."""
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    activation: bool | None = None
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(OpenAIBaseModel):
+    total_tokens: int
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("rerank"))
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+# ---------------------------------------------------------------------- tokenize
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    """Chat messages: refused (the served models have no chat template)."""
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+# ---------------------------------------------------------------------- models
+
+
+class ModelPermission(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = False
+    allow_logprobs: bool = False
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tidepool"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VersionResponse(OpenAIBaseModel):
+    version: str
