@@ -19,11 +19,12 @@ only the callers whose requests were in that step, and the loop goes on with the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -155,6 +156,8 @@ class AsyncEngine:
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tidepool-tokenizer")
         self._thread: threading.Thread | None = None
         self._accepting = True
+        self._num_admitted = 0
+        """Calls between admission and their answer (event-loop thread only)."""
         self._dead: BaseException | None = None
 
     @classmethod
@@ -197,16 +200,21 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop taking requests, finish those in flight (at most `timeout_s`), stop the thread."""
+        """Stop taking requests, finish those in flight (at most `timeout_s`), stop the thread.
+
+        In flight = every call admitted before shutdown began, including one still tokenizing.
+        """
         self._accepting = False
+        deadline = time.monotonic() + timeout_s
+        # Polled, not an asyncio.Event: the engine may serve several event loops in turn.
+        while self._num_admitted and time.monotonic() < deadline and self._dead is None:
+            await asyncio.sleep(0.01)
         if self._thread is not None:
-            self._inbox.put(_Stop(drain=True))
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self._thread.join, timeout_s)
-            if self._thread.is_alive():
+            drained = not self._num_admitted
+            if not drained:
                 logger.warning("engine did not drain in %.0f s; failing what is left", timeout_s)
-                self._inbox.put(_Stop(drain=False))
-                await loop.run_in_executor(None, self._thread.join, 5.0)
+            self._inbox.put(_Stop(drain=drained))
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ requests
@@ -220,24 +228,38 @@ class AsyncEngine:
         self, prompts: Sequence[Any], params: Sequence[PoolingParams]
     ) -> list[PoolingRequestOutput]:
         """One output per prompt, in order. Invalid prompts raise BatchInputError (none run)."""
-        items = await self.run_in_tokenizer(self.input_processor.process, prompts, params)
-        return await self.run(_requests_or_raise(items))
+        with self._admit():
+            items = await self.run_in_tokenizer(self.input_processor.process, prompts, params)
+            return await self._run_admitted(_requests_or_raise(items))
 
     async def encode_pairs(
         self, pairs: Sequence[tuple[Any, Any]], params: Sequence[PoolingParams]
     ) -> list[PoolingRequestOutput]:
         """Cross-encoder pairs, like `encode`."""
-        items = await self.run_in_tokenizer(self.input_processor.process_pairs, pairs, params)
-        return await self.run(_requests_or_raise(items))
+        with self._admit():
+            items = await self.run_in_tokenizer(self.input_processor.process_pairs, pairs, params)
+            return await self._run_admitted(_requests_or_raise(items))
 
     async def run(self, requests: list[Request]) -> list[PoolingRequestOutput]:
         """Run tokenized requests; cancelling the awaiting task aborts them in the engine."""
-        if self._dead is not None:
-            raise EngineClosedError(f"the engine has stopped after an internal error: {self._dead}")
-        if not self._accepting or self._thread is None:
-            raise EngineClosedError("the engine is not accepting requests (shutting down)")
+        with self._admit():
+            return await self._run_admitted(requests)
+
+    @contextlib.contextmanager
+    def _admit(self) -> Iterator[None]:
+        """Count the call as in flight (shutdown waits for it); refuse it when closing."""
+        self._check_accepting()
+        self._num_admitted += 1
+        try:
+            yield
+        finally:
+            self._num_admitted -= 1
+
+    async def _run_admitted(self, requests: list[Request]) -> list[PoolingRequestOutput]:
         if not requests:
             return []
+        if self._dead is not None:
+            raise EngineClosedError(f"the engine has stopped after an internal error: {self._dead}")
         group = _Group(requests, asyncio.get_running_loop())
         self._inbox.put(_Submit(group))
         try:
@@ -246,6 +268,14 @@ class AsyncEngine:
             self._inbox.put(_Abort(group))
             raise
 
+    def _check_accepting(self) -> None:
+        if self._dead is not None:
+            raise EngineClosedError(f"the engine has stopped after an internal error: {self._dead}")
+        if not self._accepting or self._thread is None:
+            raise EngineClosedError(
+                "the engine is not accepting requests (not started or shut down)"
+            )
+
     # ------------------------------------------------------------------ engine thread
 
     def _run_loop(self) -> None:
@@ -253,6 +283,7 @@ class AsyncEngine:
         try:
             while True:
                 self._handle_commands(state, block=not self._core.has_unfinished_requests())
+                self._publish(state)
                 if state.stop is not None and (not state.stop.drain or not state.group_of):
                     break
                 if self._core.has_unfinished_requests():
