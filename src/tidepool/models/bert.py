@@ -15,7 +15,7 @@ from torch import nn
 
 from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.attention.torch_backend import encoder_attention
-from tidepool.models.layers.activation import get_activation
+from tidepool.models.layers.linear import Linear
 
 
 class BertEmbeddings(nn.Module):
@@ -55,7 +55,7 @@ class BertSelfAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.qkv = Linear(config.hidden_size, 3 * config.hidden_size)
 
     def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
@@ -67,11 +67,12 @@ class BertDenseLayerNorm(nn.Module):
 
     def __init__(self, in_features: int, config) -> None:
         super().__init__()
-        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.dense = Linear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x).add_(residual))
+        # The residual add runs inside the GEMM (see layers/linear.py).
+        return self.LayerNorm(self.dense(x, residual=residual))
 
 
 class BertAttention(nn.Module):
@@ -87,11 +88,13 @@ class BertAttention(nn.Module):
 class BertIntermediate(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = get_activation(config.hidden_act)
+        # The activation runs inside the GEMM (see layers/linear.py).
+        self.dense = Linear(
+            config.hidden_size, config.intermediate_size, activation=config.hidden_act
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        return self.dense(x)
 
 
 class BertLayer(nn.Module):
@@ -260,7 +263,9 @@ def load_fused_qkv_weights(
         with torch.no_grad():
             if shard is None:
                 if param.shape != tensor.shape:
-                    raise ValueError(f"{ckpt_name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                    raise ValueError(
+                        f"{ckpt_name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+                    )
                 param.copy_(tensor)
                 loaded.add(name)
             else:
@@ -271,5 +276,7 @@ def load_fused_qkv_weights(
                     loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise ValueError(f"the checkpoint has no weights for {len(missing)} parameters: {missing[:8]}")
+        raise ValueError(
+            f"the checkpoint has no weights for {len(missing)} parameters: {missing[:8]}"
+        )
     return loaded

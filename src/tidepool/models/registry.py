@@ -46,4 +46,7 @@ def build_model(config: ModelConfig) -> nn.Module:
     model.load_weights(iter_weights(config.path))
     model = model.to(device=config.device, dtype=config.dtype)
     model.eval().requires_grad_(False)
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model

@@ -24,4 +24,6 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return _ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"unsupported activation {name!r}; known: {sorted(_ACTIVATIONS)}") from None
+        raise ValueError(
+            f"unsupported activation {name!r}; known: {sorted(_ACTIVATIONS)}"
+        ) from None

@@ -1,0 +1,108 @@
+"""The machine's GEMM roofline for an encoder, so a throughput figure can say how close it gets.
+
+Measures GFLOP/s of the model's own linear shapes ([tokens, in] x [in, out], all cores) in float32
+and bfloat16 with the fastest GEMM torch offers here (oneDNN through F.linear on CPU), and the
+model's FLOPs per token (linear layers: 2 x weights; attention: 4 x seq_len x hidden per layer).
+The roofline in tokens/s is what the model would reach if every FLOP ran at GEMM speed.
+
+    python benchmarks/roofline.py [--model sentence-transformers/all-MiniLM-L6-v2] [--seq-len 81]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class EncoderShape:
+    hidden: int
+    intermediate: int
+    num_layers: int
+
+    @classmethod
+    def from_hf_config(cls, config) -> EncoderShape:
+        return cls(config.hidden_size, config.intermediate_size, config.num_hidden_layers)
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of one layer's GEMMs: fused QKV, attention output, FFN up, FFN down."""
+        h, i = self.hidden, self.intermediate
+        return [(h, 3 * h), (h, h), (h, i), (i, h)]
+
+    def flops_per_token(self, seq_len: float) -> float:
+        linear = sum(2 * a * b for a, b in self.linear_shapes())
+        attention = 4 * seq_len * self.hidden  # QK^T and PV
+        return self.num_layers * (linear + attention)
+
+
+def _median_time(fn, reps: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _gemm_candidates(w: torch.Tensor, b: torch.Tensor):
+    """The GEMMs torch offers here: F.linear, and oneDNN with a pre-packed weight on CPU."""
+    yield lambda x: F.linear(x, w, b)
+    if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 4096)
+        yield lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+def gemm_gflops(shape: EncoderShape, dtype: torch.dtype, num_tokens: int = 4096) -> float:
+    """GFLOP/s over one layer's GEMMs at the model's shapes (weighted by their FLOPs), each shape
+    with the fastest GEMM available."""
+    total_flops = 0.0
+    total_time = 0.0
+    for in_f, out_f in shape.linear_shapes():
+        x = torch.randn(num_tokens, in_f, dtype=dtype)
+        w = torch.randn(out_f, in_f, dtype=dtype)
+        b = torch.randn(out_f, dtype=dtype)
+        total_time += min(
+            _median_time(lambda gemm=gemm: gemm(x))
+            for gemm in _gemm_candidates(w, b)  # noqa: B023
+        )
+        total_flops += 2.0 * num_tokens * in_f * out_f
+    return total_flops / total_time / 1e9
+
+
+def roofline(shape: EncoderShape, dtype: torch.dtype, seq_len: float) -> dict[str, float]:
+    gflops = gemm_gflops(shape, dtype)
+    per_token = shape.flops_per_token(seq_len)
+    return {
+        "gemm_gflops": gflops,
+        "mflop_per_token": per_token / 1e6,
+        "tokens_per_s": gflops * 1e9 / per_token,
+    }
+
+
+def main() -> None:
+    from transformers import AutoConfig
+
+    from tidepool.models.loader import DEFAULT_MODEL, resolve_model_path
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--seq-len", type=float, default=81.0, help="mean tokens per text")
+    args = parser.parse_args()
+    shape = EncoderShape.from_hf_config(AutoConfig.from_pretrained(resolve_model_path(args.model)))
+    print(f"threads={torch.get_num_threads()} model={args.model} {shape}")
+    for dtype in (torch.float32, torch.bfloat16):
+        r = roofline(shape, dtype, args.seq_len)
+        print(
+            f"{str(dtype):15s} GEMM {r['gemm_gflops']:7.0f} GFLOP/s | "
+            f"{r['mflop_per_token']:.1f} MFLOP/token | roofline {r['tokens_per_s']:9,.0f} tokens/s"
+        )
+
+
+if __name__ == "__main__":
+    main()

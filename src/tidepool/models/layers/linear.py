@@ -1,0 +1,92 @@
+"""A linear layer that pre-packs its weight for oneDNN on CPU and fuses what follows the GEMM.
+
+    y = activation(x @ W.T + b)          Linear(..., activation="gelu")
+    y = x @ W.T + b + residual           layer(x, residual=r)
+
+On CPU (float32 / bfloat16) the weight is reordered once after loading into oneDNN's blocked
+layout and the activation or the residual add run as GEMM post-ops, so each costs no extra pass
+over memory. Measured on the 2-core AVX-512/AMX CPU at 4,096 tokens (MiniLM's FFN, 384 → 1536):
+float32 F.linear 44 ms, +GELU 54 ms; packed 33 ms, packed with fused GELU 35 ms; bfloat16
+F.linear 16 ms, +GELU 24 ms; packed with fused GELU 8-10 ms. Elsewhere (CUDA, other dtypes,
+torch without oneDNN) it is plain F.linear followed by the same ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidepool.models.layers.activation import get_activation
+
+# Hugging Face activation name → (oneDNN post-op, its algorithm argument).
+_ONEDNN_POST_OPS: dict[str, tuple[str, str]] = {
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "gelu_fast": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+    "tanh": ("tanh", ""),
+}
+
+# oneDNN's packing takes a hint of the typical number of rows; a step holds thousands of tokens.
+_PACK_BATCH_HINT = 4096
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class Linear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        activation: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.activation = activation
+        self._act = get_activation(activation) if activation else None
+        self._packed: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the weight for oneDNN where that path exists (CPU, float32 / bfloat16)."""
+        self._packed = None
+        w = self.weight
+        if (
+            w.device.type == "cpu"
+            and w.dtype in (torch.float32, torch.bfloat16)
+            and _onednn_available()
+            and (self.activation is None or self.activation in _ONEDNN_POST_OPS)
+        ):
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self._packed is not None and x.dim() == 2:
+            if residual is not None and self.activation is None:
+                return torch.ops.mkldnn._linear_pointwise.binary(
+                    x, residual, self._packed, self.bias, "add"
+                )
+            if residual is None:
+                post_op, algorithm = _ONEDNN_POST_OPS.get(self.activation or "", ("none", ""))
+                return torch.ops.mkldnn._linear_pointwise(
+                    x, self._packed, self.bias, post_op, [], algorithm
+                )
+        y = F.linear(x, self.weight, self.bias)
+        if self._act is not None:
+            y = self._act(y)
+        if residual is not None:
+            y = y.add_(residual)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, activation={self.activation}, "
+            f"onednn_packed={self._packed is not None}"
+        )
