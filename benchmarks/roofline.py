@@ -68,8 +68,7 @@ def gemm_gflops(shape: EncoderShape, dtype: torch.dtype, num_tokens: int = 4096)
         w = torch.randn(out_f, in_f, dtype=dtype)
         b = torch.randn(out_f, dtype=dtype)
         total_time += min(
-            _median_time(lambda gemm=gemm: gemm(x))
-            for gemm in _gemm_candidates(w, b)  # noqa: B023
+            _median_time(lambda gemm=gemm, x=x: gemm(x)) for gemm in _gemm_candidates(w, b)
         )
         total_flops += 2.0 * num_tokens * in_f * out_f
     return total_flops / total_time / 1e9
