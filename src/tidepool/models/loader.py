@@ -144,6 +144,15 @@ _POOLING_KEYS = (
     ("pooling_mode_mean_sqrt_len_tokens", "MEAN_SQRT_LEN"),
     ("pooling_mode_weightedmean_tokens", "WEIGHTED_MEAN"),
 )
+# sentence-transformers >= 5 `pooling_mode` names → ours.
+_POOLING_NAMES = {
+    "cls": "CLS",
+    "mean": "MEAN",
+    "max": "MAX",
+    "lasttoken": "LAST",
+    "mean_sqrt_len_tokens": "MEAN_SQRT_LEN",
+    "weightedmean": "WEIGHTED_MEAN",
+}
 
 
 def _read_json(path: Path) -> dict | list | None:
@@ -176,7 +185,14 @@ def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
         mpath = folder / module.get("path", "")
         if mtype.endswith("Pooling"):
             pcfg = _read_json(mpath / "config.json") or {}
-            modes = [mode for key, mode in _POOLING_KEYS if pcfg.get(key)]
+            # sentence-transformers >= 5 writes one key, `"pooling_mode": "mean"` (or a list);
+            # older versions one boolean per mode (`"pooling_mode_mean_tokens": true`).
+            named = pcfg.get("pooling_mode")
+            if named is not None:
+                names = [named] if isinstance(named, str) else list(named)
+                modes = [_POOLING_NAMES.get(str(n).lower(), str(n).upper()) for n in names]
+            else:
+                modes = [mode for key, mode in _POOLING_KEYS if pcfg.get(key)]
             if len(modes) > 1:
                 raise ValueError(f"{mpath}: several pooling modes at once ({modes}) are not supported")
             pooling_mode = modes[0] if modes else None
