@@ -377,14 +377,18 @@ class OpenAIServing:
 
     async def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
         self.model_name(req.model)
-        vocab_size = len(self.engine.tokenizer)
-        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise ApiError(
-                400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "tokens"
-            )
-        text = await self.engine.run_in_tokenizer(self.engine.tokenizer.decode, req.tokens)
-        return p.DetokenizeResponse(prompt=text)
+        tokenizer = self.engine.tokenizer
+
+        def run() -> str:
+            # Even len() reads the Rust tokenizer: only the tokenizer thread may touch it.
+            vocab_size = len(tokenizer)
+            for token in req.tokens:
+                if not 0 <= token < vocab_size:
+                    message = f"token id {token} is outside the vocabulary [0, {vocab_size})"
+                    raise ApiError(400, message, "tokens")
+            return tokenizer.decode(req.tokens)
+
+        return p.DetokenizeResponse(prompt=await self.engine.run_in_tokenizer(run))
 
     # ------------------------------------------------------------------ models
 
