@@ -268,12 +268,10 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) ->
     @app.post("/v1/completions")
     async def completions(raw_request: Request) -> Response:
         serving.refuse_generation(await _model_field(raw_request), "Completions")
-        raise AssertionError("unreachable")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw_request: Request) -> Response:
         serving.refuse_generation(await _model_field(raw_request), "Chat Completions")
-        raise AssertionError("unreachable")
 
     @app.get("/v1/models")
     async def models() -> Response:

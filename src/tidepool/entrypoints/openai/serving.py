@@ -10,7 +10,7 @@ import base64
 import math
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -404,7 +404,7 @@ class OpenAIServing:
             ]
         )
 
-    def refuse_generation(self, requested: str | None, api: str) -> None:
+    def refuse_generation(self, requested: str | None, api: str) -> NoReturn:
         name = self.model_name(requested)
         raise ApiError(
             400,
