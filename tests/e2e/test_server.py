@@ -394,15 +394,22 @@ def _wait_until_idle(http: httpx.Client, timeout_s: float) -> float:
 def test_client_disconnect_aborts_its_requests(server: ServerProcess, http: httpx.Client) -> None:
     before = http.get("/metrics").text
     aborted_before = metric_value(before, "tidepool:requests_aborted_total")
+    finished_before = metric_value(before, "tidepool:requests_finished_total")
     # 60 texts of 250 tokens = 15k tokens: ~8 steps of 2048 tokens, several seconds of work.
     texts = [f"{i} " + "lorem ipsum " * 124 for i in range(60)]
     body = {"input": texts, "truncate_prompt_tokens": 250}
     sock = _raw_post(server.port, "/v1/embeddings", body)
-    time.sleep(0.7)  # the first step is running
-    sock.close()
-    _wait_until_idle(http, timeout_s=5.0)
+    deadline = time.monotonic() + 10
+    while not metric_value(http.get("/metrics").text, "tidepool:num_requests_unfinished"):
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.02)
+    sock.close()  # the client goes away while the first step runs
+    _wait_until_idle(http, timeout_s=10.0)
     after = http.get("/metrics").text
-    assert metric_value(after, "tidepool:requests_aborted_total") - aborted_before >= 30
+    num_aborted = metric_value(after, "tidepool:requests_aborted_total") - aborted_before
+    num_finished = metric_value(after, "tidepool:requests_finished_total") - finished_before
+    assert num_aborted + num_finished == len(texts)  # every input either ran or was aborted
+    assert num_aborted >= len(texts) / 2, (num_aborted, num_finished)
     labels = {"route": "/v1/embeddings", "status": "499"}
     assert metric_value(after, "tidepool:http_requests_total", labels) >= 1
     # The engine goes on serving.
