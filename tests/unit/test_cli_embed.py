@@ -187,3 +187,14 @@ def test_demo_console_entry_point(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "texts/s" in result.stdout and "tokens/s" in result.stdout
+
+
+def test_startup_errors_print_one_line(monkeypatch, capsys) -> None:
+    def missing_model(*args, **kwargs):
+        raise FileNotFoundError("model '/nowhere' not found; tidepool never downloads")
+
+    monkeypatch.setattr(tidepool, "LLM", missing_model)
+    assert main(["embed", "/nowhere", "--demo"]) == 2
+    assert (
+        capsys.readouterr().err == "error: model '/nowhere' not found; tidepool never downloads\n"
+    )
