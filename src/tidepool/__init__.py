@@ -1,4 +1,5 @@
-"""tidepool: a fast inference engine for pooling models (embed, classify, score, rerank)."""
+"""tidepool: a fast inference engine for pooling models (embed, classify, score, rerank) and
+causal decoders (embed, generate)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,28 @@ from tidepool.outputs import (
     BatchInputError,
     ClassificationOutput,
     ClassificationRequestOutput,
+    CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    Logprob,
     PoolingOutput,
     PoolingRequestOutput,
     RequestError,
+    RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tidepool.params import PoolingParams
+from tidepool.params import PoolingParams, SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
     "PoolingParams",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
     "BatchInputError",
     "RequestError",
     "PoolingOutput",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ class ModelConfig:
     architecture: str
     """The architecture we build (after `convert`)."""
     task: str
-    """"embed" or "classify": what the model's head computes."""
+    """"embed", "classify" (pooling runner) or "generate" (sampling runner)."""
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
@@ -61,6 +62,16 @@ class ModelConfig:
     st: SentenceTransformersMeta
     """sentence-transformers metadata (pooling mode, Dense, Normalize, prompts)."""
     seed: int = 0
+    is_causal: bool = False
+    """Causal (decoder) attention: the model keeps a paged KV cache, chunked prefill and prefix
+    caching apply. False for bidirectional encoders, which run each prompt whole in one step."""
+    eos_token_ids: tuple[int, ...] = ()
+    """End-of-sequence ids from generation_config.json (else config.json); generation stops there."""
+
+    @property
+    def runner_type(self) -> str:
+        """ "generate" (hidden states → logits → sampler) or "pooling" (→ pooler)."""
+        return "generate" if self.task == "generate" else "pooling"
 
     @property
     def num_labels(self) -> int:
@@ -81,23 +92,125 @@ class SchedulerConfig:
     """Token budget of one engine step (sum of scheduled tokens)."""
     max_num_seqs: int = 256
     """Most sequences in one engine step."""
+    enable_chunked_prefill: bool = True
+    """Causal models: a prompt longer than the step's remaining budget runs over several steps
+    (mixed with decoding requests). Encoders always run a prompt whole."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
+# KV-cache budget on CPU when none is given (vLLM's VLLM_CPU_KVCACHE_SPACE default). Pages are
+# committed only when first written, so a small workload costs little of it.
+CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
+# On a GPU, the share of its memory the whole process may use (vLLM's gpu_memory_utilization).
+GPU_DEFAULT_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache of causal models (encoders keep none)."""
+
+    block_size: int = 16
+    """Tokens per KV block (and per prefix-cache hash)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose token prefix was computed before (chained hashes)."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes for the KV cache. None: `memory_fraction` where given, else 4 GiB on CPU and a
+    0.9 memory fraction on a GPU."""
+    memory_fraction: float | None = None
+    """Share of the device's total memory the whole process may use; the KV cache gets what the
+    loaded model leaves of it (vLLM's gpu_memory_utilization)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.memory_fraction is not None:
+            raise ValueError("give kv_cache_memory_bytes or memory_fraction, not both")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
+            )
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+    def budget(self, device: torch.device) -> tuple[int | None, float | None]:
+        """(kv_cache_memory_bytes, memory_fraction) for `plan_kv_cache`: exactly one is set."""
+        if self.kv_cache_memory_bytes is not None or self.memory_fraction is not None:
+            return self.kv_cache_memory_bytes, self.memory_fraction
+        if device.type == "cpu":
+            return CPU_DEFAULT_KV_CACHE_BYTES, None
+        return None, GPU_DEFAULT_MEMORY_FRACTION
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     scheduler: SchedulerConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
 
 def _base_architecture(arch: str) -> str:
-    for suffix in ("ForSequenceClassification", "ForMaskedLM", "ForTokenClassification"):
+    for suffix in (
+        "ForSequenceClassification",
+        "ForMaskedLM",
+        "ForTokenClassification",
+        "ForCausalLM",
+    ):
         if arch.endswith(suffix):
             return arch[: -len(suffix)] + "Model"
     return arch
+
+
+def _resolve_task(arch: str, runner: str, convert: str) -> tuple[str, str]:
+    """(task, architecture to build) from the checkpoint's architecture and the user's choice.
+
+    *ForCausalLM generates unless a pooling runner or a convert is asked for (then its body
+    embeds, e.g. e5-mistral); *ForSequenceClassification classifies; anything else embeds.
+    """
+    from tidepool.models.registry import is_registered
+
+    if runner == "generate":
+        if convert != "auto":
+            raise ValueError(f"convert={convert!r} applies to pooling runners, not 'generate'")
+        causal_lm = arch if arch.endswith("ForCausalLM") else None
+        if causal_lm is None and arch.endswith("Model"):
+            causal_lm = arch.removesuffix("Model") + "ForCausalLM"
+        if causal_lm is None or not is_registered(causal_lm):
+            raise ValueError(
+                f"runner='generate' is not available for {arch}: it has no language-model head "
+                "in tidepool (generative architectures: *ForCausalLM of Llama, Mistral, Qwen2, "
+                "Qwen3)"
+            )
+        return "generate", causal_lm
+    is_classifier = arch.endswith("ForSequenceClassification")
+    if convert == "embed":
+        return "embed", _base_architecture(arch)
+    if convert == "classify":
+        if not is_classifier:
+            raise ValueError(
+                f"convert='classify' needs a model with a classification head; {arch} has none"
+            )
+        return "classify", arch
+    if is_classifier:
+        return "classify", arch
+    if arch.endswith("ForCausalLM") and runner == "auto":
+        return "generate", arch
+    return "embed", _base_architecture(arch)
+
+
+def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an int or a list), else config.json's."""
+    value = None
+    gen_config = path / "generation_config.json"
+    if gen_config.is_file():
+        value = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
+    if value is None:
+        value = getattr(hf_config, "eos_token_id", None)
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
 def build_model_config(
@@ -113,11 +226,10 @@ def build_model_config(
 ) -> ModelConfig:
     from transformers import AutoConfig
 
-    if runner not in ("auto", "pooling"):
-        raise ValueError(
-            f"runner={runner!r} is not available yet; this build runs pooling models "
-            "(runner='auto' or 'pooling')"
-        )
+    from tidepool.models.registry import get_model_class
+
+    if runner not in ("auto", "pooling", "generate"):
+        raise ValueError(f"runner must be auto, pooling or generate, got {runner!r}")
     if convert not in ("auto", "embed", "classify"):
         raise ValueError(f"convert must be auto, embed or classify, got {convert!r}")
     path = resolve_model_path(model)
@@ -125,21 +237,8 @@ def build_model_config(
     archs = list(getattr(hf_config, "architectures", None) or [])
     if not archs:
         archs = [f"{type(hf_config).__name__.removesuffix('Config')}Model"]
-    arch = archs[0]
-    is_classifier = arch.endswith("ForSequenceClassification")
-    if convert == "embed":
-        task = "embed"
-        arch = _base_architecture(arch)
-    elif convert == "classify":
-        if not is_classifier:
-            raise ValueError(
-                f"convert='classify' needs a model with a classification head; {arch} has none"
-            )
-        task = "classify"
-    else:
-        task = "classify" if is_classifier else "embed"
-        if not is_classifier:
-            arch = _base_architecture(arch)
+    task, arch = _resolve_task(archs[0], runner, convert)
+    is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
 
     st = load_sentence_transformers_meta(path)
     dev = torch.device(device) if device else _default_device()
@@ -169,6 +268,8 @@ def build_model_config(
         max_model_len=int(max_model_len),
         st=st,
         seed=seed,
+        is_causal=is_causal,
+        eos_token_ids=_eos_token_ids(path, hf_config),
     )
 
 

@@ -82,6 +82,73 @@ class ScoringRequestOutput:
 
 
 @dataclass
+class Logprob:
+    """The log-probability of one token at one position (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int
+    """1 = the likeliest token."""
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+"""Per generated position: token id → Logprob (the sampled token and the top `logprobs`)."""
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    """"stop" (EOS, a stop token or a stop string), "length" (max_tokens or max_model_len),
+    "abort"; None while unfinished."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string; None for EOS and length."""
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A generating request's result (vLLM's RequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    prompt_logprobs: None = None
+    """Not computed (always None)."""
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first completion's finish reason (a shortcut for `outputs[0].finish_reason`)."""
+        return self.outputs[0].finish_reason if self.outputs else None
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one generating request (engine core → output processor)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: SampleLogprobs | None = None
+    """Token ids only; the output processor fills in decoded_token."""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestError:
     """Why one request of a batch failed; the others are unaffected."""
 

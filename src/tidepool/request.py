@@ -5,12 +5,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tidepool.params import PoolingParams
+from tidepool.params import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREEMPTED = "preempted"
+    """Lost its KV blocks to a longer-running request; waits to recompute (keeps its outputs)."""
     FINISHED = "finished"
     ABORTED = "aborted"
 
@@ -19,7 +21,8 @@ class RequestStatus(enum.Enum):
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    pooling_params: PoolingParams
+    pooling_params: PoolingParams | None = None
+    """Set for pooling requests; None for generating ones."""
     token_type_ids: list[int] | None = None
     """Segment ids for pair inputs (BERT cross-encoders); None = all zeros."""
     status: RequestStatus = RequestStatus.WAITING
@@ -31,6 +34,17 @@ class Request:
     """Mixed into the first block hash: requests with different salts never share cached blocks."""
     block_hashes: list[bytes] = field(default_factory=list, compare=False, repr=False)
     """Chained hashes of the full blocks of `all_token_ids`, kept up to date by the KV-cache manager."""
+    sampling_params: SamplingParams | None = None
+    """Set for generating requests."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Generation stops at these (unless sampling_params.ignore_eos)."""
+    skip_reading_prefix_cache: bool = False
+    """The output needs every prompt token's hidden state (MEAN pooling, token tasks): computing
+    from a prefix-cache hit would skip some. Its blocks are still entered into the cache."""
+    finish_reason: str | None = None
+    """"stop" or "length" once finished (vLLM's names); "abort" when aborted."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended generation; None for EOS or length."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -44,6 +58,19 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt then output tokens (a new list: O(num_tokens))."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        prompt, num_prompt = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return prompt[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return prompt[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def is_generating(self) -> bool:
+        return self.sampling_params is not None
 
     @property
     def is_finished(self) -> bool:

@@ -2,55 +2,159 @@
 
 Encoder (bidirectional) requests are scheduled whole: attention needs every token of the sequence
 at once, and they hold no KV blocks, so they finish in the step that schedules them.
+
+Causal models (a KVCacheManager is given) follow vLLM's V1 policy. Every request has
+`num_computed_tokens`; a step gives each as many new tokens as the budget allows:
+
+    1. running requests first, in admission order: a decode takes 1 token, an unfinished prompt
+       the rest of its prompt (cut to the remaining budget: chunked prefill). When the pool has
+       no blocks for one, the last-admitted running request is preempted (its blocks freed, its
+       progress reset; it waits at the front of the queue to recompute) until the blocks fit.
+    2. then waiting requests, FCFS (unless someone was preempted this step): a prefix-cache
+       lookup gives the tokens it may skip, then blocks for the rest (or the first chunk of it).
+
+A generating request samples a token whenever its scheduled tokens reach its end; a pooling
+request finishes when its last prompt token has run.
 """
 
 from __future__ import annotations
 
 from collections import deque
-
-import torch
+from dataclasses import dataclass
 
 from tidepool.config import SchedulerConfig
-from tidepool.core.sched_output import SchedulerOutput
-from tidepool.outputs import PoolingOutput, PoolingRequestOutput
+from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from tidepool.kv_cache.manager import KVCacheManager
+from tidepool.outputs import EngineCoreOutput, Logprob, PoolingOutput, PoolingRequestOutput
 from tidepool.request import Request, RequestStatus
+
+StepOutput = PoolingRequestOutput | EngineCoreOutput
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    """Prompt tokens of requests whose prompt has been computed (each request counted once)."""
+    num_generation_tokens: int = 0
+    num_finished_requests: int = 0
+
+
+def _cdiv(num: int, den: int) -> int:
+    return -(-num // den)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
         self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.finished_req_ids: set[str] = set()
+        """Finished or aborted since the last schedule(): told to the runner in the next step."""
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
-        if request.num_prompt_tokens > self.config.max_num_batched_tokens:
-            # The engine checks this at start-up (max_model_len <= budget); keep the invariant.
-            raise ValueError(
-                f"request {request.request_id} has {request.num_prompt_tokens} tokens, more than "
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens}"
-            )
+        kv = self.kv_cache_manager
+        if kv is None or not self.config.enable_chunked_prefill:
+            if request.num_prompt_tokens > self.config.max_num_batched_tokens:
+                # The engine checks this at start-up (max_model_len <= budget); keep the invariant.
+                raise ValueError(
+                    f"request {request.request_id} has {request.num_prompt_tokens} tokens, more "
+                    f"than max_num_batched_tokens={self.config.max_num_batched_tokens}"
+                )
+        if kv is not None:
+            self._check_fits_in_cache(request, kv)
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
+    def _check_fits_in_cache(self, request: Request, kv: KVCacheManager) -> None:
+        """A request that could outgrow the whole pool alone would preempt itself forever."""
+        num_tokens = request.num_tokens
+        params = request.sampling_params
+        if params is not None:
+            max_tokens = params.max_tokens or (self.max_model_len or num_tokens)
+            num_tokens += max_tokens
+        if self.max_model_len is not None:
+            num_tokens = min(num_tokens, self.max_model_len)
+        num_blocks = kv.num_groups * _cdiv(num_tokens, kv.block_size)
+        num_usable = kv.config.num_blocks - 1  # block 0 is the null block
+        if num_blocks > num_usable:
+            raise ValueError(
+                f"request {request.request_id} may need {num_blocks} KV blocks "
+                f"({num_tokens} tokens), more than the cache holds ({num_usable}); "
+                "raise kv_cache_memory_bytes or lower max_tokens"
+            )
+
     def abort_request(self, request_id: str) -> bool:
+        """Drop a request wherever it is (False if unknown or already finished)."""
+        return self._remove(request_id, RequestStatus.ABORTED, "abort", None)
+
+    def stop_request(self, request_id: str, stop_reason: int | str | None) -> bool:
+        """Finish a generating request early (a stop string found by the output processor)."""
+        return self._remove(request_id, RequestStatus.FINISHED, "stop", stop_reason)
+
+    def _remove(
+        self,
+        request_id: str,
+        status: RequestStatus,
+        finish_reason: str,
+        stop_reason: int | str | None,
+    ) -> bool:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        request.status = RequestStatus.ABORTED
+        request.status = status
+        request.finish_reason = finish_reason
+        request.stop_reason = stop_reason
         try:
             self.waiting.remove(request)
         except ValueError:
             pass
+        if self.kv_cache_manager is not None:
+            if request in self.running:
+                self.running.remove(request)
+            self.kv_cache_manager.free(request)
+            self.finished_req_ids.add(request_id)
+            if status is RequestStatus.FINISHED:
+                self.stats.num_finished_requests += 1
         return True
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting) or bool(self.running)
+
+    # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
+        if self.kv_cache_manager is None:
+            return self._schedule_encoder()
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        budget, num_preempted = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if num_preempted == 0:
+            self._schedule_waiting(out, budget)
+        if out.is_empty:  # no step runs: tell the runner next time
+            self.finished_req_ids |= out.finished_req_ids
+        return out
+
+    def _schedule_encoder(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(out.scheduled) < self.config.max_num_seqs:
@@ -64,10 +168,159 @@ class Scheduler:
             budget -= request.num_prompt_tokens
         return out
 
-    def update(
-        self, sched_out: SchedulerOutput, pooled: dict[str, torch.Tensor]
-    ) -> list[PoolingRequestOutput]:
-        finished: list[PoolingRequestOutput] = []
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        """Schedule running requests in order, preempting from the back; (budget left, preempted)."""
+        kv = self.kv_cache_manager
+        assert kv is not None
+        num_preempted = 0
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens <= 0:  # cannot happen: finished requests leave `running`
+                index += 1
+                continue
+            while (new_blocks := kv.allocate_slots(request, num_new_tokens)) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # the request preempted itself; everything after it is gone too
+            self._add_scheduled(out, request, num_new_tokens, new_blocks.get_block_ids())
+            budget -= num_new_tokens
+            index += 1
+        return budget, num_preempted
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        kv = self.kv_cache_manager
+        assert kv is not None
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit = None
+            if request.num_computed_tokens == 0 and not request.skip_reading_prefix_cache:
+                hit = kv.get_computed_blocks(request)
+            num_hit_tokens = hit.num_computed_tokens if hit is not None else 0
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if num_new_tokens > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new_tokens = budget
+            new_blocks = kv.allocate_slots(
+                request, num_new_tokens, hit.blocks if hit is not None else None
+            )
+            if new_blocks is None:
+                break  # not enough free blocks: wait for running requests to finish
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            self.running.append(request)
+            out.restarted_req_ids.add(request.request_id)
+            self._add_scheduled(out, request, num_new_tokens, kv.get_block_ids(request.request_id))
+            budget -= num_new_tokens
+
+    def _add_scheduled(
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        num_new_tokens: int,
+        block_ids: tuple[list[int], ...],
+    ) -> None:
+        out.scheduled.append(request)
+        out.num_scheduled_tokens[request.request_id] = num_new_tokens
+        out.new_block_ids[request.request_id] = block_ids
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks; it recomputes from scratch (its outputs are kept)."""
+        assert self.kv_cache_manager is not None
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.stats.num_preemptions += 1
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[StepOutput]:
+        if self.kv_cache_manager is None:
+            return self._update_encoder(sched_out, runner_out)
+        outputs: list[StepOutput] = []
+        any_finished = False
+        for request in sched_out.scheduled:
+            num_new_tokens = sched_out.num_scheduled_tokens[request.request_id]
+            if request.is_finished:
+                continue  # aborted between schedule() and now: drop the result
+            computed_before = request.num_computed_tokens
+            request.num_computed_tokens += num_new_tokens
+            if computed_before < request.num_prompt_tokens <= request.num_computed_tokens:
+                if not request.output_token_ids:  # not a recompute after preemption
+                    self.stats.num_prompt_tokens += request.num_prompt_tokens
+            if request.pooling_params is not None:
+                pooled = runner_out.pooled.get(request.request_id)
+                if pooled is None:
+                    continue  # a prefill chunk short of the prompt's end
+                self._finish(request, "stop")
+                outputs.append(
+                    PoolingRequestOutput(
+                        request.request_id, request.prompt_token_ids, PoolingOutput(pooled)
+                    )
+                )
+            else:
+                sampled = runner_out.sampled.get(request.request_id)
+                if sampled is None:
+                    continue
+                outputs.append(self._append_token(request, sampled))
+            any_finished |= request.is_finished
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _append_token(self, request: Request, sampled: SampledToken) -> EngineCoreOutput:
+        request.output_token_ids.append(sampled.token_id)
+        self.stats.num_generation_tokens += 1
+        finish_reason, stop_reason = self._check_stop(request)
+        if finish_reason is not None:
+            self._finish(request, finish_reason, stop_reason)
+        logprobs = None
+        if sampled.logprobs is not None:
+            logprobs = [{t: Logprob(lp, rank) for t, lp, rank in sampled.logprobs}]
+        return EngineCoreOutput(
+            request.request_id, [sampled.token_id], logprobs, finish_reason, stop_reason
+        )
+
+    def _check_stop(self, request: Request) -> tuple[str | None, int | None]:
+        """vLLM's order: length first, then nothing before min_tokens, then EOS, stop tokens."""
+        params = request.sampling_params
+        assert params is not None
+        num_output_tokens = len(request.output_token_ids)
+        if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or (
+            self.max_model_len is not None and request.num_tokens >= self.max_model_len
+        ):
+            return "length", None
+        if num_output_tokens < params.min_tokens:
+            return None, None
+        last_token = request.output_token_ids[-1]
+        if not params.ignore_eos and last_token in request.eos_token_ids:
+            return "stop", None
+        if last_token in params.stop_token_ids:  # type: ignore[operator]
+            return "stop", last_token
+        return None, None
+
+    def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        assert self.kv_cache_manager is not None
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.kv_cache_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+        self.stats.num_finished_requests += 1
+
+    def _update_encoder(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[StepOutput]:
+        finished: list[StepOutput] = []
         for request in sched_out.scheduled:
             request.num_computed_tokens += sched_out.num_scheduled_tokens[request.request_id]
             if request.status is RequestStatus.ABORTED:
@@ -78,7 +331,9 @@ class Scheduler:
                 PoolingRequestOutput(
                     request.request_id,
                     request.prompt_token_ids,
-                    PoolingOutput(pooled[request.request_id]),
+                    PoolingOutput(runner_out.pooled[request.request_id]),
                 )
             )
+        self.stats.num_prompt_tokens += sched_out.total_num_scheduled_tokens
+        self.stats.num_finished_requests += len(finished)
         return finished

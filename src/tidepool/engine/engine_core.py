@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 
 from tidepool.config import EngineConfig
-from tidepool.core.scheduler import Scheduler
-from tidepool.outputs import PoolingRequestOutput
+from tidepool.core.scheduler import Scheduler, StepOutput
+from tidepool.kv_cache.manager import KVCacheManager
 from tidepool.request import Request
 from tidepool.worker.model_runner import ModelRunner
 
@@ -17,36 +17,105 @@ class EngineStats:
     num_steps: int = 0
     num_finished_requests: int = 0
     num_prompt_tokens: int = 0
+    """Prompt tokens of requests whose prompt has been computed (each request once)."""
+    num_scheduled_tokens: int = 0
+    """Tokens computed by the model, recomputation after preemption included."""
     model_seconds: float = 0.0
-    """Time spent inside ModelRunner.execute (forward + pooling)."""
+    """Time spent inside ModelRunner.execute (forward + pooling / sampling)."""
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """A snapshot of the engine's state and counters (plain names; read by LLM.get_metrics())."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+    """Share of the KV-cache blocks in use (0 for encoders, which keep none)."""
+    kv_cache_num_blocks: int
+    prefix_cache_queries: int
+    """Tokens looked up in the prefix cache (vLLM counts tokens, not requests)."""
+    prefix_cache_hits: int
+    """Tokens served from the prefix cache."""
+    prefix_cache_requests: int
+    """Prefix-cache lookups (one per admitted request with caching on)."""
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_finished_requests: int
+    num_steps: int
+    num_scheduled_tokens: int
+    model_seconds: float
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_runner = ModelRunner(config)
-        self.scheduler = Scheduler(config.scheduler)
+        kv_config = self.model_runner.kv_cache_config
+        self.kv_cache_manager = (
+            None
+            if kv_config is None
+            else KVCacheManager(kv_config, enable_caching=config.cache.enable_prefix_caching)
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache_manager, config.model.max_model_len
+        )
         self.stats = EngineStats()
 
     def add_request(self, request: Request) -> None:
-        self.model_runner.pooler.check_params(request.pooling_params)
+        if request.pooling_params is not None:
+            pooler = self.model_runner.pooler
+            pooler.check_params(request.pooling_params)
+            if self.kv_cache_manager is not None:
+                request.skip_reading_prefix_cache = pooler.reads_all_tokens(request.pooling_params)
+        elif self.model_runner.sampler is None:
+            raise ValueError(
+                f"this {self.config.model.task} model cannot generate; load a *ForCausalLM model "
+                "(or pass runner='generate')"
+            )
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort_request(request_id)
 
+    def stop_request(self, request_id: str, stop_reason: int | str | None) -> bool:
+        return self.scheduler.stop_request(request_id, stop_reason)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[PoolingRequestOutput]:
+    def step(self) -> list[StepOutput]:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
         start = time.perf_counter()
-        pooled = self.model_runner.execute(sched_out)
+        runner_out = self.model_runner.execute(sched_out)
         self.stats.model_seconds += time.perf_counter() - start
-        finished = self.scheduler.update(sched_out, pooled)
+        outputs = self.scheduler.update(sched_out, runner_out)
         self.stats.num_steps += 1
-        self.stats.num_finished_requests += len(finished)
-        self.stats.num_prompt_tokens += sched_out.total_num_scheduled_tokens
-        return finished
+        self.stats.num_finished_requests = self.scheduler.stats.num_finished_requests
+        self.stats.num_prompt_tokens = self.scheduler.stats.num_prompt_tokens
+        self.stats.num_scheduled_tokens += sched_out.total_num_scheduled_tokens
+        return outputs
+
+    def get_metrics(self) -> EngineMetrics:
+        kv = self.kv_cache_manager
+        prefix = kv.prefix_cache_stats if kv is not None else None
+        sched = self.scheduler
+        return EngineMetrics(
+            num_requests_running=sched.num_running,
+            num_requests_waiting=sched.num_waiting,
+            kv_cache_usage=kv.usage if kv is not None else 0.0,
+            kv_cache_num_blocks=kv.config.num_blocks if kv is not None else 0,
+            prefix_cache_queries=prefix.num_query_tokens if prefix else 0,
+            prefix_cache_hits=prefix.num_hit_tokens if prefix else 0,
+            prefix_cache_requests=prefix.num_requests if prefix else 0,
+            num_preemptions=sched.stats.num_preemptions,
+            prompt_tokens=sched.stats.num_prompt_tokens,
+            generation_tokens=sched.stats.num_generation_tokens,
+            num_finished_requests=sched.stats.num_finished_requests,
+            num_steps=self.stats.num_steps,
+            num_scheduled_tokens=self.stats.num_scheduled_tokens,
+            model_seconds=self.stats.model_seconds,
+        )

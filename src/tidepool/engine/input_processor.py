@@ -13,7 +13,7 @@ from typing import Any
 
 from tidepool.config import ModelConfig
 from tidepool.outputs import RequestError
-from tidepool.params import PoolingParams
+from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
 
 PROMPT_TYPES_HINT = "a string, or a dict with 'prompt' (string) or 'prompt_token_ids' (list of ints)"
@@ -198,3 +198,54 @@ class InputProcessor:
             token_type_ids=None if token_types is None else list(token_types),
             arrival_index=index,
         )
+
+    # ------------------------------------------------------------------ generation
+
+    def process_generate(
+        self,
+        prompts: Sequence[Any],
+        params: Sequence[SamplingParams],
+        eos_token_ids: tuple[int, ...],
+        add_special_tokens: bool = True,
+    ) -> list[Request | RequestError]:
+        """Generating requests, one per prompt. Texts are tokenized as-is (no sentence-transformers
+        prompt, no lower-casing), in one batched call; truncation keeps the last tokens (vLLM)."""
+        results: list[Request | RequestError | None] = [None] * len(prompts)
+        token_ids: list[list[int] | None] = [None] * len(prompts)
+        texts: list[int] = []
+        for i, prompt in enumerate(prompts):
+            p = self._parse(prompt)
+            if isinstance(p, str):
+                results[i] = RequestError(i, p)
+            elif p.token_ids is not None:
+                token_ids[i] = p.token_ids
+            else:
+                texts.append(i)
+        if texts:
+            enc = self.tokenizer(
+                [prompts[i] if isinstance(prompts[i], str) else prompts[i]["prompt"] for i in texts],
+                add_special_tokens=add_special_tokens,
+                return_attention_mask=False,
+                return_token_type_ids=False,
+            )
+            for j, i in enumerate(texts):
+                token_ids[i] = list(enc["input_ids"][j])
+        for i, ids in enumerate(token_ids):
+            if ids is None:
+                continue
+            keep = params[i].truncate_prompt_tokens
+            if keep is not None:
+                ids = ids[-keep:]
+            if not ids:
+                results[i] = RequestError(i, "the prompt has no tokens")
+            elif error := self._check_len(len(ids)):
+                results[i] = RequestError(i, error)
+            else:
+                results[i] = Request(
+                    request_id=self.next_request_id(),
+                    prompt_token_ids=ids,
+                    sampling_params=params[i],
+                    eos_token_ids=eos_token_ids,
+                    arrival_index=i,
+                )
+        return results  # type: ignore[return-value]

@@ -1,30 +1,34 @@
-"""The offline API, mirroring vLLM's `LLM`: embed, classify, score, encode."""
+"""The offline API, mirroring vLLM's `LLM`: embed, classify, score, encode; generate, chat."""
 
 from __future__ import annotations
 
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tidepool import envs
-from tidepool.config import EngineConfig, SchedulerConfig, build_model_config
-from tidepool.engine.engine_core import EngineCore
+from tidepool.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
+from tidepool.engine.engine_core import EngineCore, EngineMetrics
 from tidepool.engine.input_processor import InputProcessor
+from tidepool.engine.output_processor import OutputProcessor
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import (
     BatchInputError,
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
+    EngineCoreOutput,
     PoolingRequestOutput,
     RequestError,
+    RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tidepool.params import PoolingParams
+from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
 
 logger = logging.getLogger("tidepool")
@@ -36,9 +40,11 @@ _IGNORED_VLLM_ARGS = {
     "tensor_parallel_size",
     "disable_log_stats",
     "swap_space",
-    "enable_prefix_caching",
     "task",
 }
+
+# Default step budget of causal models (chunked prefill lets prompts exceed it).
+CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 PromptsArg = Any  # str | dict | Sequence[str | dict]
 
@@ -67,6 +73,11 @@ def build_engine_config(
     seed: int = 0,
     device: str | None = None,
     trust_remote_code: bool = False,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    kv_cache_memory_bytes: int | None = None,
+    kv_cache_memory_fraction: float | None = None,
 ) -> EngineConfig:
     """The engine configuration from `LLM`'s arguments; shared with the server's AsyncEngine."""
     if (threads := envs.num_threads()) is not None:
@@ -81,17 +92,37 @@ def build_engine_config(
         seed=seed,
         trust_remote_code=trust_remote_code,
     )
+    # Encoders run each prompt whole; causal models with chunked prefill do not need to.
+    whole_prompts = not model_config.is_causal or not enable_chunked_prefill
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(16384, model_config.max_model_len)
-    elif max_num_batched_tokens < model_config.max_model_len:
+        if model_config.is_causal:
+            max_num_batched_tokens = CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS
+        else:
+            max_num_batched_tokens = 16384
+        if whole_prompts:
+            max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
+    elif whole_prompts and max_num_batched_tokens < model_config.max_model_len:
         raise ValueError(
             f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_model_len="
-            f"{model_config.max_model_len}: an encoder runs each prompt in one step"
+            f"{model_config.max_model_len}: "
+            + (
+                "an encoder runs each prompt in one step"
+                if not model_config.is_causal
+                else "without chunked prefill a prompt runs in one step"
+            )
         )
     return EngineConfig(
         model=model_config,
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
+        cache=CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            memory_fraction=kv_cache_memory_fraction,
         ),
     )
 
@@ -112,11 +143,23 @@ class LLM:
         seed: int = 0,
         device: str | None = None,
         trust_remote_code: bool = False,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        kv_cache_memory_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
         unknown = set(kwargs) - _IGNORED_VLLM_ARGS
         if unknown:
             raise TypeError(f"LLM() got unexpected arguments: {sorted(unknown)}")
+        memory_fraction = None
+        if kv_cache_memory_bytes is None and "gpu_memory_utilization" in kwargs:
+            # vLLM's knob sizes the KV cache on a GPU; on a CPU it means nothing (as in vLLM).
+            wants_gpu = (device or "").startswith("cuda") or (
+                device is None and envs.device() is None and torch.cuda.is_available()
+            )
+            if wants_gpu:
+                memory_fraction = float(kwargs.pop("gpu_memory_utilization"))
         if kwargs:
             logger.info("ignoring vLLM arguments that do not apply here: %s", sorted(kwargs))
         self.config = build_engine_config(
@@ -130,6 +173,11 @@ class LLM:
             seed=seed,
             device=device,
             trust_remote_code=trust_remote_code,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            kv_cache_memory_fraction=memory_fraction,
         )
         model_config = self.config.model
         self.engine = EngineCore(self.config)
@@ -302,7 +350,7 @@ class LLM:
                 f"data_1 has {len(first)} items and data_2 {len(second)}: give one data_1 item "
                 "(1-to-N) or as many as data_2 (N-to-N)"
             )
-        pairs = list(zip(first, second))
+        pairs = list(zip(first, second, strict=True))
         if self.model_config.task == "classify":
             params = self._params_list(len(pairs), pooling_params, "score", truncate_prompt_tokens)
             items = self.input_processor.process_pairs(pairs, params)
@@ -337,7 +385,11 @@ class LLM:
         errors: list[RequestError] = []
         outputs: list[ScoringRequestOutput | None] = []
         for i, (ka, kb) in enumerate(keys):
-            bad = [f"{side}: {failed[k]}" for side, k in (("data_1", ka), ("data_2", kb)) if k in failed]
+            bad = [
+                f"{side}: {failed[k]}"
+                for side, k in (("data_1", ka), ("data_2", kb))
+                if k in failed
+            ]
             if bad:
                 errors.append(RequestError(i, "; ".join(bad)))
                 outputs.append(None)
@@ -354,3 +406,159 @@ class LLM:
         if errors:
             raise BatchInputError(errors, outputs)
         return outputs
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: PromptsArg,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Completions of each prompt, in prompt order (vLLM's `LLM.generate`).
+
+        A prompt is a string, {"prompt": str} or {"prompt_token_ids": [...]}; texts get the
+        tokenizer's special tokens (BOS). Invalid prompts raise BatchInputError after the rest ran.
+        """
+        return self._generate(_as_list(prompts), sampling_params, use_tqdm, add_special_tokens=True)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations ([{"role": ..., "content": ...}, ...], or a list of
+        them), rendered with the tokenizer's chat template."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a conversation (a list of dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        texts = [
+            tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
+        # The template writes the special tokens (BOS) itself.
+        return self._generate(texts, sampling_params, use_tqdm, add_special_tokens=False)
+
+    def get_metrics(self) -> EngineMetrics:
+        """Running / waiting requests, KV-cache usage, prefix-cache queries and hits (tokens),
+        preemptions, prompt and generated tokens, since the engine started."""
+        return self.engine.get_metrics()
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = list(self.model_config.eos_token_ids)
+        tokenizer_eos = getattr(self.get_tokenizer(), "eos_token_id", None)
+        if tokenizer_eos is not None and tokenizer_eos not in ids:
+            ids.append(int(tokenizer_eos))
+        return tuple(ids)
+
+    def _generate(
+        self,
+        prompts: list,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        add_special_tokens: bool,
+    ) -> list[RequestOutput]:
+        if self.model_config.runner_type != "generate":
+            raise ValueError(
+                f"generate() needs a generative model; {self.model_config.architecture} is a "
+                f"{self.model_config.task} model (load a *ForCausalLM, or runner='generate')"
+            )
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        # n > 1: n requests per prompt (their prompt blocks are shared through the prefix cache);
+        # a seeded one gets seed + i for completion i, as in vLLM.
+        children = [
+            (i, k, p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + k))
+            for i, p in enumerate(params)
+            for k in range(p.n)
+        ]
+        items = self.input_processor.process_generate(
+            [prompts[i] for i, _, _ in children],
+            [p for _, _, p in children],
+            self._eos_token_ids(),
+            add_special_tokens=add_special_tokens,
+        )
+        finished = self._run_generate(items, children, prompts, use_tqdm)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        errors: dict[int, str] = {}
+        for (i, _, _), item, out in zip(children, items, finished, strict=True):
+            if isinstance(item, RequestError):
+                errors.setdefault(i, item.message)
+            elif out is not None and results[i] is None:
+                results[i] = out
+            elif out is not None:
+                results[i].outputs.extend(out.outputs)  # type: ignore[union-attr]
+        for out in results:
+            if out is not None:
+                out.outputs.sort(key=lambda c: c.index)
+        if errors:
+            raise BatchInputError([RequestError(i, m) for i, m in sorted(errors.items())], results)
+        return results  # type: ignore[return-value]
+
+    def _run_generate(
+        self,
+        items: list,
+        children: list[tuple[int, int, SamplingParams]],
+        prompts: list,
+        use_tqdm: bool,
+    ) -> list[RequestOutput | None]:
+        """Step the engine until every request finished; outputs in `items` order."""
+        output_processor = OutputProcessor(self.get_tokenizer())
+        index_of: dict[str, int] = {}
+        for j, (item, (i, k, _)) in enumerate(zip(items, children, strict=True)):
+            if isinstance(item, RequestError):
+                continue
+            self.engine.add_request(item)
+            text = prompts[i] if isinstance(prompts[i], str) else None
+            if isinstance(prompts[i], dict) and isinstance(prompts[i].get("prompt"), str):
+                text = prompts[i]["prompt"]
+            output_processor.add_request(
+                item.request_id, text, item.prompt_token_ids, item.sampling_params, index=k
+            )
+            index_of[item.request_id] = j
+        finished: list[RequestOutput | None] = [None] * len(items)
+        pbar = None
+        if use_tqdm and len(index_of) > 1:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(index_of), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                core_outputs = [o for o in self.engine.step() if isinstance(o, EngineCoreOutput)]
+                done, to_stop = output_processor.process(core_outputs)
+                for request_id, stop_str in to_stop:
+                    self.engine.stop_request(request_id, stop_str)
+                for out in done:
+                    finished[index_of[out.request_id]] = out
+                if pbar is not None and done:
+                    pbar.update(len(done))
+        except BaseException:
+            for request_id in index_of:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return finished

@@ -18,11 +18,24 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
     "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
     "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
+    # Causal decoders: the bare body embeds (LAST pooling), *ForCausalLM adds the LM head.
+    "LlamaModel": ("llama", "LlamaModel"),
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralModel": ("llama", "MistralModel"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2Model": ("llama", "Qwen2Model"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3Model": ("llama", "Qwen3Model"),
+    "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
 }
 
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def is_registered(architecture: str) -> bool:
+    return architecture in _MODELS
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -1,16 +1,33 @@
-"""SchedulerOutput → flat batch → model → output stage → one tensor per request."""
+"""SchedulerOutput → flat batch → model → output stage → ModelRunnerOutput.
+
+One runner body for every model; the output stage is the pooler (pooling runner) or the LM head
+and the sampler (generating runner). Encoders run each prompt whole through bucketed
+bidirectional attention; causal models run over the paged KV cache, whose tensors the runner
+allocates and owns (the scheduler sees block ids only).
+"""
 
 from __future__ import annotations
 
 import itertools
+import logging
+from dataclasses import replace
 
 import torch
 
 from tidepool.attention.metadata import build_encoder_metadata
+from tidepool.attention.paged import allocate_kv_caches
 from tidepool.config import EngineConfig
-from tidepool.core.sched_output import SchedulerOutput
+from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from tidepool.kv_cache.spec import KVCacheConfig, group_layers, plan_kv_cache
 from tidepool.models.registry import build_model
+from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
 from tidepool.worker.pooler import Pooler, PoolingMetadata
+from tidepool.worker.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger("tidepool")
+
+# Attention buckets of a causal step may pad up to this share of their (queries x keys) area.
+CAUSAL_MAX_PAD_FRACTION = 0.25
 
 
 class ModelRunner:
@@ -23,9 +40,74 @@ class ModelRunner:
         self.num_heads = int(config.model.hf_config.num_attention_heads)
         # positions are 0..len-1 per sequence: slices of one arange, made once.
         self._arange = torch.arange(config.model.max_model_len, dtype=torch.int64)
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.layer_groups: tuple[int, ...] = ()
+        self.states = RequestStates()
+        self.sampler = Sampler() if config.model.runner_type == "generate" else None
+        if config.model.is_causal:
+            self._init_kv_cache()
+
+    # ------------------------------------------------------------------ KV cache
+
+    def _init_kv_cache(self) -> None:
+        cache, model_config = self.config.cache, self.config.model
+        specs = self.model.kv_cache_specs(cache.block_size, model_config.dtype)
+        groups = group_layers(specs)
+        kv_bytes, fraction = cache.budget(self.device)
+        kv_config = plan_kv_cache(groups, kv_bytes, fraction, device=self.device)
+        # More blocks than max_num_seqs full-length requests can hold at once only feed the prefix
+        # cache; cap there, so a small model does not map gigabytes it never uses.
+        sched = self.config.scheduler
+        per_request = sum(
+            g.spec.max_num_blocks_per_request(
+                model_config.max_model_len, sched.max_num_batched_tokens
+            )
+            for g in groups
+        )
+        cap = sched.max_num_seqs * per_request + 1
+        if kv_config.num_blocks > cap:
+            kv_config = replace(kv_config, num_blocks=cap)
+        caches = allocate_kv_caches(kv_config, specs, self.device)
+        group_of = {
+            name: g for g, group in enumerate(kv_config.groups) for name in group.layer_names
+        }
+        names = [name for name, spec in specs.items() if spec is not None]
+        self.kv_caches = [caches[name] for name in names]
+        self.layer_groups = tuple(group_of[name] for name in names)
+        self.kv_cache_config = kv_config
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), %d group(s)",
+            kv_config.num_blocks,
+            kv_config.block_size,
+            kv_config.num_blocks * kv_config.bytes_per_block / 2**20,
+            len(kv_config.groups),
+        )
+
+    # ------------------------------------------------------------------ execute
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor]:
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.kv_cache_config is None:
+            return ModelRunnerOutput(pooled=self._execute_encoder(sched_out))
+        self.states.update(sched_out)
+        if sched_out.is_empty:
+            return ModelRunnerOutput()
+        batch = build_causal_batch(
+            sched_out,
+            self.states,
+            self.kv_cache_config,
+            self.layer_groups,
+            self.config.model.dtype,
+            self.device,
+            CAUSAL_MAX_PAD_FRACTION,
+        )
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
+        if self.sampler is not None:
+            return ModelRunnerOutput(sampled=self._sample(hidden, batch))
+        return ModelRunnerOutput(pooled=self._pool_chunks(hidden, batch))
+
+    def _execute_encoder(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor]:
         # Longest first, so that sequences of similar length are neighbours: attention runs them
         # as a few padded buckets instead of one call per sequence (see attention/metadata.py).
         requests = sorted(sched_out.scheduled, key=lambda r: -r.num_prompt_tokens)
@@ -54,7 +136,65 @@ class ModelRunner:
         pool_meta = PoolingMetadata(
             seq_lens=seq_lens,
             cu_seqlens=attn_meta.cu_seqlens,
-            params=[r.pooling_params for r in requests],
+            params=[r.pooling_params for r in requests],  # type: ignore[misc]
         )
         outputs = self.pooler(hidden, pool_meta)
-        return {r.request_id: out for r, out in zip(requests, outputs)}
+        return {r.request_id: out for r, out in zip(requests, outputs, strict=True)}
+
+    def _pool_chunks(self, hidden: torch.Tensor, batch: CausalBatch) -> dict[str, torch.Tensor]:
+        """Pooling on a causal model: every scheduled request is a pooling request."""
+        meta = PoolingMetadata(
+            seq_lens=batch.query_lens,
+            cu_seqlens=batch.cu_query_lens,
+            params=[r.pooling_params for r in batch.requests],  # type: ignore[misc]
+        )
+        states = [self.states[r.request_id] for r in batch.requests]
+        outputs, running = self.pooler.forward_chunks(
+            hidden,
+            meta,
+            [s.pooling_running for s in states],
+            batch.reaches_end,
+            [r.num_prompt_tokens for r in batch.requests],
+        )
+        pooled: dict[str, torch.Tensor] = {}
+        for request, state, out, value in zip(
+            batch.requests, states, outputs, running, strict=True
+        ):
+            state.pooling_running = value
+            if out is not None:
+                pooled[request.request_id] = out
+        return pooled
+
+    def _sample(self, hidden: torch.Tensor, batch: CausalBatch) -> dict[str, SampledToken]:
+        rows = [i for i, end in enumerate(batch.reaches_end) if end]
+        if not rows:
+            return {}
+        requests = [batch.requests[i] for i in rows]
+        last_token = batch.cu_query_lens[1:][rows] - 1
+        logits = self.model.compute_logits(hidden.index_select(0, last_token))
+        generators = {}
+        for row, request in enumerate(requests):
+            generator = self.states[request.request_id].generator
+            if generator is not None:
+                generators[row] = generator
+        params = [r.sampling_params for r in requests]
+        meta = SamplingMetadata.build(
+            params,  # type: ignore[arg-type]
+            [r.output_token_ids for r in requests],
+            [r.prompt_token_ids for r in requests],
+            [_stop_token_ids(r) for r in requests],
+            generators,
+            logits.shape[1],
+        )
+        out = self.sampler(logits, meta)  # type: ignore[misc]
+        return {
+            r.request_id: SampledToken(token, logprobs)
+            for r, token, logprobs in zip(requests, out.token_ids, out.logprobs, strict=True)
+        }
+
+
+def _stop_token_ids(request) -> list[int]:
+    """Tokens that end the request (masked while it has fewer than min_tokens outputs)."""
+    params = request.sampling_params
+    ids = [] if params.ignore_eos else list(request.eos_token_ids)
+    return ids + list(params.stop_token_ids)

@@ -7,12 +7,20 @@
 
 Everything a request's output needs is computed in one batched op per step where possible; the
 per-request loop only slices.
+
+Causal models may compute a prompt over several steps (chunked prefill). Each method then has a
+chunked form: a partial value per chunk, folded into a running value, finished on the last chunk:
+
+    MEAN: partial = sum of the chunk's rows, fold = add, finish = / prompt length
+    LAST: partial = the chunk's last row, fold = keep the newer      (CLS keeps the older, MAX max)
+    token tasks: the chunk's rows, fold = concatenate
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +77,34 @@ POOLING_METHODS: dict[str, Callable[[torch.Tensor, PoolingMetadata], torch.Tenso
 }
 
 
+def _pool_sum(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    sums = hidden.new_zeros(meta.num_seqs, hidden.shape[1], dtype=torch.float32)
+    return sums.index_add_(0, _seq_ids(meta, hidden.device), hidden.float())
+
+
+@dataclass(frozen=True)
+class ChunkedMethod:
+    """A pooling method over a sequence that arrives in chunks (see the module docstring)."""
+
+    partial: Callable[[torch.Tensor, PoolingMetadata], torch.Tensor]
+    """This step's rows → [num_seqs, hidden] partial values."""
+    fold: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(running value of the earlier chunks, this chunk's partial) → running value."""
+    finish: Callable[[torch.Tensor, int], torch.Tensor]
+    """(running value, number of tokens of the sequence) → pooled [hidden]."""
+
+
+CHUNKED_METHODS: dict[str, ChunkedMethod] = {
+    "CLS": ChunkedMethod(_pool_cls, lambda old, new: old, lambda acc, n: acc),
+    "LAST": ChunkedMethod(_pool_last, lambda old, new: new, lambda acc, n: acc),
+    "MEAN": ChunkedMethod(_pool_sum, torch.add, lambda acc, n: acc / n),
+    "MAX": ChunkedMethod(_pool_max, torch.maximum, lambda acc, n: acc),
+}
+
+PREFIX_CACHE_SAFE_METHODS = ("LAST",)
+"""Methods that read only the last token: a prefix-cache hit (skipping the first tokens) is fine."""
+
+
 class Pooler(nn.Module):
     """Turns a step's hidden states into one output tensor per request (on the CPU, float32)."""
 
@@ -101,6 +137,8 @@ class Pooler(nn.Module):
         )
 
     def supported_tasks(self) -> tuple[str, ...]:
+        if self.task == "generate":
+            return ()  # a generating engine runs the sampler, not the pooler
         if self.task == "classify":
             # "score" = a cross-encoder's relevance: one label, sigmoid.
             return ("classify", "score") if self.num_labels == 1 else ("classify",)
@@ -150,36 +188,102 @@ class Pooler(nn.Module):
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, meta: PoolingMetadata) -> list[torch.Tensor]:
+        """Whole sequences: one output per sequence of `meta`."""
         outputs: list[torch.Tensor | None] = [None] * meta.num_seqs
         seq_rows = [i for i, p in enumerate(meta.params) if not p.task.startswith("token_")]
         if seq_rows:
             pooled = self._method(hidden, meta)
             if len(seq_rows) != meta.num_seqs:
                 pooled = pooled[seq_rows]
-            if self.task == "classify":
-                head = self._finish_logits
-                values = self.model.compute_logits(pooled).float()
-            else:
-                head = self._finish_embedding
-                values = self._apply_dense(pooled.float())
-            values = values.cpu()
-            # Requests with equal head parameters are finished in one batched op.
-            groups: dict[tuple, list[int]] = {}
-            for row, i in enumerate(seq_rows):
-                p = meta.params[i]
-                groups.setdefault((p.normalize, p.dimensions, p.activation), []).append(row)
-            for rows in groups.values():
-                finished = head(values if len(rows) == len(seq_rows) else values[rows],
-                                meta.params[seq_rows[rows[0]]])
-                for j, row in enumerate(rows):
-                    i = seq_rows[row]
-                    out = finished[j]
-                    if meta.params[i].task == "score" and out.numel() == 1:
-                        out = out[0]
-                    outputs[i] = out
+            for i, out in zip(
+                seq_rows,
+                self._finish_sequences(pooled, [meta.params[i] for i in seq_rows]),
+                strict=True,
+            ):
+                outputs[i] = out
         cu = meta.cu_seqlens.tolist()
         for i, p in enumerate(meta.params):
             if p.task.startswith("token_"):
-                tokens = self._apply_dense(hidden[cu[i] : cu[i + 1]].float()).cpu()
-                outputs[i] = self._finish_embedding(tokens, p)
+                outputs[i] = self._finish_tokens(hidden[cu[i] : cu[i + 1]], p)
+        return outputs  # type: ignore[return-value]
+
+    def reads_all_tokens(self, params: PoolingParams) -> bool:
+        """True when the output needs every prompt token's hidden state (no prefix-cache reads)."""
+        return (
+            params.task.startswith("token_") or self.pooling_type not in PREFIX_CACHE_SAFE_METHODS
+        )
+
+    @torch.inference_mode()
+    def forward_chunks(
+        self,
+        hidden: torch.Tensor,
+        meta: PoolingMetadata,
+        running: list[Any],
+        is_last: list[bool],
+        num_tokens: list[int],
+    ) -> tuple[list[torch.Tensor | None], list[Any]]:
+        """One chunk per sequence of `meta` (causal models, chunked prefill).
+
+        running[i]: sequence i's value from earlier chunks (None on its first chunk). Returns the
+        outputs of the sequences whose last chunk this is (None for the others) and the new
+        running values (None where finished).
+        """
+        outputs: list[torch.Tensor | None] = [None] * meta.num_seqs
+        new_running: list[Any] = [None] * meta.num_seqs
+        method = CHUNKED_METHODS[self.pooling_type]
+        finished_rows: list[int] = []
+        finished_values: list[torch.Tensor] = []
+        seq_rows = [i for i, p in enumerate(meta.params) if not p.task.startswith("token_")]
+        if seq_rows:
+            partial = method.partial(hidden, meta).float()
+            for i in seq_rows:
+                value = partial[i] if running[i] is None else method.fold(running[i], partial[i])
+                if is_last[i]:
+                    finished_rows.append(i)
+                    finished_values.append(method.finish(value, num_tokens[i]))
+                else:
+                    new_running[i] = value
+        if finished_rows:
+            finished = self._finish_sequences(
+                torch.stack(finished_values), [meta.params[i] for i in finished_rows]
+            )
+            for i, out in zip(finished_rows, finished, strict=True):
+                outputs[i] = out
+        cu = meta.cu_seqlens.tolist()
+        for i, p in enumerate(meta.params):
+            if p.task.startswith("token_"):
+                rows = hidden[cu[i] : cu[i + 1]]
+                rows = rows if running[i] is None else torch.cat((running[i], rows))
+                if is_last[i]:
+                    outputs[i] = self._finish_tokens(rows, p)
+                else:
+                    new_running[i] = rows
+        return outputs, new_running
+
+    def _finish_tokens(self, rows: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        return self._finish_embedding(self._apply_dense(rows.float()).cpu(), params)
+
+    def _finish_sequences(
+        self, pooled: torch.Tensor, params: list[PoolingParams]
+    ) -> list[torch.Tensor]:
+        """pooled [n, hidden] → the head's output per sequence (on the CPU, float32)."""
+        if self.task == "classify":
+            head = self._finish_logits
+            values = self.model.compute_logits(pooled).float()
+        else:
+            head = self._finish_embedding
+            values = self._apply_dense(pooled.float())
+        values = values.cpu()
+        outputs: list[torch.Tensor | None] = [None] * len(params)
+        # Requests with equal head parameters are finished in one batched op.
+        groups: dict[tuple, list[int]] = {}
+        for row, p in enumerate(params):
+            groups.setdefault((p.normalize, p.dimensions, p.activation), []).append(row)
+        for rows in groups.values():
+            finished = head(values if len(rows) == len(params) else values[rows], params[rows[0]])
+            for j, row in enumerate(rows):
+                out = finished[j]
+                if params[row].task == "score" and out.numel() == 1:
+                    out = out[0]
+                outputs[row] = out
         return outputs  # type: ignore[return-value]

@@ -1,0 +1,209 @@
+"""Engine-core outputs of generating requests → RequestOutputs: incremental detokenization, stop
+strings, logprobs.
+
+Detokenization is incremental: each new token adds only the text it completes. With a fast
+tokenizer this is tokenizers' DecodeStream (Rust, ~1 us a token), primed with the end of the
+prompt so that a first token like "▁Hello" keeps its leading space, as vLLM does; otherwise it
+decodes a short window of tokens (vLLM's prefix / read offsets).
+
+Stop strings are searched in the new text only (plus the few characters before it that a stop
+string could start in). When one is found, the text is cut before it (after it with
+include_stop_str_in_output) and the request is reported for the engine to stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidepool.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from tidepool.params import SamplingParams
+
+# Prompt tokens that prime the detokenizer (vLLM primes with 4 to 24 of them).
+_PRIME_MIN, _PRIME_MAX = 4, 24
+
+
+class _StreamDetokenizer:
+    """tokenizers' DecodeStream over a fast tokenizer's Rust backend."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
+        from tokenizers.decoders import DecodeStream
+
+        self.backend = tokenizer.backend_tokenizer
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token_id in _prime_tokens(tokenizer, prompt_token_ids):
+            self._step(token_id)
+
+    def _step(self, token_id: int) -> str:
+        try:
+            return self.stream.step(self.backend, token_id) or ""
+        except Exception:  # an id the backend cannot decode (e.g. past the vocabulary)
+            return ""
+
+    def add(self, token_ids: list[int]) -> str:
+        return "".join(self._step(t) for t in token_ids)
+
+
+class _WindowDetokenizer:
+    """Any tokenizer: decode a window of ids and keep what the new tokens added."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = _prime_tokens(tokenizer, prompt_token_ids)
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text) :]
+
+
+def _prime_tokens(tokenizer: Any, prompt_token_ids: list[int]) -> list[int]:
+    """The shortest prompt suffix (4 to 24 tokens) that decodes to whole characters."""
+    if len(prompt_token_ids) <= _PRIME_MIN:
+        return list(prompt_token_ids)
+    for length in range(_PRIME_MIN, min(len(prompt_token_ids), _PRIME_MAX) + 1):
+        suffix = prompt_token_ids[-length:]
+        if "\ufffd" not in tokenizer.decode(suffix):
+            return list(suffix)
+    return list(prompt_token_ids[-_PRIME_MIN:])
+
+
+def find_stop_string(
+    text: str, num_new_chars: int, stop: list[str], include_in_output: bool
+) -> tuple[str, int] | None:
+    """(stop string, length to cut the text to) for the first stop string that ends in the new
+    text, or None. Worked example: text "Hello wor|ld." (new text after |), stop ["ld"] → found at
+    10 → cut to 10 ("Hello wor"), or to 12 with include_in_output."""
+    for stop_str in stop:
+        start = max(len(text) - num_new_chars - len(stop_str) + 1, 0)
+        index = text.find(stop_str, start)
+        if index == -1:
+            continue
+        return stop_str, index + len(stop_str) if include_in_output else index
+    return None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: _StreamDetokenizer | _WindowDetokenizer | None
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+        self._fast = hasattr(tokenizer, "backend_tokenizer")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+    ) -> None:
+        detokenizer = None
+        if params.detokenize and self.tokenizer is not None:
+            cls = _StreamDetokenizer if self._fast else _WindowDetokenizer
+            detokenizer = cls(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, detokenizer, index)
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.states[request_id] = state
+
+    def abort_request(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def process(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """(finished RequestOutputs, [(request_id, stop string)] the engine must stop)."""
+        finished: list[RequestOutput] = []
+        to_stop: list[tuple[str, str]] = []
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue  # aborted here already
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            state.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None and state.logprobs is not None:
+                self._add_logprobs(state, out)
+            if state.detokenizer is not None:
+                stop = self._detokenize(state, out.new_token_ids, finish_reason)
+                if stop is not None:
+                    if finish_reason is None:
+                        to_stop.append((out.request_id, stop))
+                    finish_reason, stop_reason = "stop", stop
+            if finish_reason is not None:
+                del self.states[out.request_id]
+                finished.append(self._output(state, finish_reason, stop_reason))
+        return finished, to_stop
+
+    def _detokenize(
+        self, state: _RequestState, new_token_ids: list[int], finish_reason: str | None
+    ) -> str | None:
+        """Add the new tokens' text; returns the stop string that ended it, if any."""
+        params = state.params
+        stopped_by_token = finish_reason == "stop"
+        if stopped_by_token and not params.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]  # EOS / a stop token adds no text (vLLM)
+        new_text = state.detokenizer.add(new_token_ids)  # type: ignore[union-attr]
+        state.text += new_text
+        if not params.stop or stopped_by_token or not new_text:
+            return None
+        found = find_stop_string(
+            state.text,
+            len(new_text),
+            params.stop,
+            params.include_stop_str_in_output,  # type: ignore[arg-type]
+        )
+        if found is None:
+            return None
+        stop_str, cut = found
+        state.text = state.text[:cut]
+        return stop_str
+
+    def _add_logprobs(self, state: _RequestState, out: EngineCoreOutput) -> None:
+        for position, token_id in zip(out.new_logprobs or (), out.new_token_ids, strict=True):
+            for tid, logprob in position.items():
+                logprob.decoded_token = self.tokenizer.decode([tid]) if self.tokenizer else None
+            state.logprobs.append(position)  # type: ignore[union-attr]
+            state.cumulative_logprob += position[token_id].logprob  # type: ignore[operator]
+
+    @staticmethod
+    def _output(state: _RequestState, finish_reason: str, stop_reason: Any) -> RequestOutput:
+        completion = CompletionOutput(
+            index=state.index,
+            text=state.text,
+            token_ids=state.token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=state.logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[completion],
+            finished=True,
+        )

@@ -1,0 +1,318 @@
+"""Llama-family causal decoders on packed tokens: Llama, Mistral, Qwen2, Qwen3.
+
+    token ids → embed → N x [RMSNorm → attention (+ residual) → RMSNorm → SwiGLU MLP (+ residual)]
+              → RMSNorm → hidden [num_tokens, hidden]   (*Model: pooled; *ForCausalLM: → lm_head)
+
+The variants differ only in flags read from the config: q/k/v biases (Qwen2), per-head RMSNorm of
+q and k before RoPE (Qwen3), a sliding window (Mistral, Qwen2 `layer_types`), tied embeddings.
+Module names follow Hugging Face's, except that q/k/v are fused into `qkv_proj` and gate/up into
+`gate_up_proj` (one GEMM each); the residual adds run inside the o_proj / down_proj GEMMs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidepool.attention.paged import PagedAttentionMetadata, paged_attention
+from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from tidepool.models.layers.linear import Linear
+from tidepool.models.layers.rmsnorm import RMSNorm
+from tidepool.models.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+def _head_size(config: Any) -> int:
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+
+
+def _layer_window(config: Any, layer_index: int) -> int | None:
+    """The layer's sliding window, or None for full attention."""
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if layer_types is not None:
+        return window if layer_types[layer_index] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class DecoderAttention(nn.Module):
+    qkv_bias: ClassVar[bool | None] = None
+    """Biases on q/k/v (and none on o): Qwen2. None = `config.attention_bias` on all four."""
+    qk_norm: ClassVar[bool] = False
+    """Per-head RMSNorm of q and k before RoPE: Qwen3."""
+
+    def __init__(self, config: Any, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_size = _head_size(config)
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.scale = self.head_size**-0.5
+        self.sliding_window = _layer_window(config, layer_index)
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = attention_bias if self.qkv_bias is None else False
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        if self.sliding_window is not None:
+            return SlidingWindowSpec(
+                block_size, self.num_kv_heads, self.head_size, dtype, self.sliding_window
+            )
+        return FullAttentionSpec(block_size, self.num_kv_heads, self.head_size, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_size)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            -1, self.num_kv_heads, self.head_size
+        )
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_size)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(
+            q, k, v, kv_cache, attn_metadata.for_layer(self.layer_index), self.scale
+        )
+        return self.o_proj(out, residual=residual)
+
+
+class Qwen2Attention(DecoderAttention):
+    qkv_bias = True
+
+
+class Qwen3Attention(DecoderAttention):
+    qk_norm = True
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"the MLP supports silu (SwiGLU) only, got hidden_act={act!r}")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        return self.down_proj(F.silu(gate) * up, residual=residual)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, layer_index: int, attention_cls: type[DecoderAttention]
+    ) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_index)
+        self.mlp = SwiGLU(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos_sin, attn_metadata, kv_cache) -> torch.Tensor:
+        x = self.self_attn(self.input_layernorm(x), x, cos_sin, attn_metadata, kv_cache)
+        return self.mlp(self.post_attention_layernorm(x), x)
+
+
+# Checkpoint projection → (our fused parameter, shard index); shards are laid out in this order.
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaModel(nn.Module):
+    """The decoder body: packed token ids → final-norm hidden states [num_tokens, hidden]."""
+
+    is_causal: ClassVar[bool] = True
+    default_pooling_type: ClassVar[str] = "LAST"
+    attention_cls: ClassVar[type[DecoderAttention]] = DecoderAttention
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.attention_cls) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(_head_size(config), config)
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
+        """Layer name → what it stores per block (in layer order: index i = self.layers[i])."""
+        return {
+            f"layers.{i}": layer.self_attn.kv_cache_spec(block_size, dtype)
+            for i, layer in enumerate(self.layers)
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: PagedAttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin, attn_metadata, kv_cache)
+        return self.norm(x)
+
+    def map_weight_name(self, name: str) -> str | None:
+        """Checkpoint name → our parameter name (before q/k/v fusion); None = not ours."""
+        name = name.removeprefix("model.")
+        if name.startswith(("lm_head.", "score.")) or "rotary_emb." in name:
+            return None
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_stacked_weights(self, weights, self.map_weight_name)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The body plus the language-model head (tied to the embeddings when the config says so)."""
+
+    is_causal: ClassVar[bool] = True
+    default_pooling_type: ClassVar[str] = "LAST"
+    body_cls: ClassVar[type[LlamaModel]] = LlamaModel
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = self.body_cls(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self._tie()
+
+    def _tie(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
+        return self.model.kv_cache_specs(block_size, dtype)
+
+    def forward(self, input_ids, positions, attn_metadata, kv_caches) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_seqs, hidden] → float32 logits [num_seqs, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def map_weight_name(self, name: str) -> str | None:
+        if name.startswith("lm_head."):
+            return None if self.tie_word_embeddings else name
+        mapped = self.model.map_weight_name(name)
+        return None if mapped is None else "model." + mapped
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        self._tie()  # to_empty() made separate tensors of the tied pair
+        return load_stacked_weights(self, weights, self.map_weight_name)
+
+
+class MistralModel(LlamaModel):
+    pass
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    body_cls = MistralModel
+
+
+class Qwen2Model(LlamaModel):
+    attention_cls = Qwen2Attention
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    body_cls = Qwen2Model
+
+
+class Qwen3Model(LlamaModel):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    body_cls = Qwen3Model
+
+
+def _shard_sizes(module: nn.Module, fused_name: str) -> list[int]:
+    """Output rows of each shard of a fused parameter (q / k / v or gate / up)."""
+    owner = module.get_submodule(fused_name.rsplit(".", 2)[0])
+    if isinstance(owner, DecoderAttention):
+        return [owner.q_size, owner.kv_size, owner.kv_size]
+    assert isinstance(owner, SwiGLU)
+    return [owner.intermediate_size, owner.intermediate_size]
+
+
+def load_stacked_weights(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    map_name,
+) -> set[str]:
+    """Copy checkpoint tensors into `module`, fusing q/k/v and gate/up (see _STACKED).
+
+    Returns the loaded parameter names; raises if a parameter is left without weights.
+    """
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    shards_loaded: dict[str, set[int]] = {}
+    for ckpt_name, tensor in weights:
+        name = map_name(ckpt_name)
+        if name is None:
+            continue
+        shard = None
+        for marker, (fused, index) in _STACKED.items():
+            if marker in name:
+                name, shard = name.replace(marker, fused), index
+                break
+        param = params.get(name)
+        if param is None:
+            continue
+        with torch.no_grad():
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"{ckpt_name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+                loaded.add(name)
+                continue
+            sizes = _shard_sizes(module, name)
+            offset = sum(sizes[:shard])
+            if tensor.shape[0] != sizes[shard]:
+                raise ValueError(f"{ckpt_name}: {tensor.shape[0]} rows, expected {sizes[shard]}")
+            param[offset : offset + sizes[shard]].copy_(tensor)
+            shards_loaded.setdefault(name, set()).add(shard)
+            if len(shards_loaded[name]) == len(sizes):
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(
+            f"the checkpoint has no weights for {len(missing)} parameters: {missing[:8]}"
+        )
+    return loaded

@@ -1,0 +1,161 @@
+"""A causal step's flat batch: token ids, positions and the paged-attention metadata, built once.
+
+Requests are laid out decodes first (longest context first), then prefill chunks (longest chunk
+first), so that neighbours have similar shapes and attention runs them as a few padded buckets
+(see attention/paged.py). Everything per token is computed with tensor ops; Python loops run over
+requests only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tidepool.attention.paged import (
+    PagedAttentionMetadata,
+    build_group_metadata,
+    plan_buckets,
+    split_rows,
+)
+from tidepool.core.sched_output import SchedulerOutput
+from tidepool.kv_cache.spec import KVCacheConfig
+from tidepool.request import Request
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner keeps about a causal request between its steps."""
+
+    block_ids: tuple[list[int], ...]
+    """The request's block table per KV-cache group."""
+    generator: torch.Generator | None = None
+    """Seeded requests: their own random stream (survives preemption)."""
+    pooling_running: Any = None
+    """Pooling requests: the running value of the chunks computed so far."""
+
+
+@dataclass
+class RequestStates:
+    """request_id → CachedRequestState, kept in step with SchedulerOutput's block changes."""
+
+    states: dict[str, CachedRequestState] = field(default_factory=dict)
+
+    def update(self, sched_out: SchedulerOutput) -> None:
+        for request_id in sched_out.finished_req_ids:
+            self.states.pop(request_id, None)
+        for request in sched_out.scheduled:
+            request_id = request.request_id
+            new_block_ids = sched_out.new_block_ids[request_id]
+            state = self.states.get(request_id)
+            if request_id in sched_out.restarted_req_ids:
+                table = tuple(list(ids) for ids in new_block_ids)
+                if state is None:
+                    self.states[request_id] = CachedRequestState(table, _generator(request))
+                else:  # resumed after preemption: new blocks, progress from scratch
+                    state.block_ids, state.pooling_running = table, None
+            else:
+                assert state is not None, f"request {request_id} has no runner state"
+                for group_ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
+                    group_ids.extend(new_ids)
+
+    def __getitem__(self, request_id: str) -> CachedRequestState:
+        return self.states[request_id]
+
+
+def _generator(request: Request) -> torch.Generator | None:
+    params = request.sampling_params
+    if params is None or params.seed is None:
+        return None
+    return torch.Generator().manual_seed(params.seed)
+
+
+@dataclass(frozen=True)
+class CausalBatch:
+    requests: list[Request]
+    """In flat order (see the module docstring)."""
+    query_lens: list[int]
+    context_lens: list[int]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_query_lens: torch.Tensor
+    """[num_requests + 1] int64 on the device: request i is flat tokens cu[i]:cu[i+1]."""
+    attn_metadata: PagedAttentionMetadata
+    reaches_end: list[bool]
+    """The scheduled tokens reach the request's last token: sample (or finish pooling) now."""
+
+
+def _flat_order(sched_out: SchedulerOutput) -> list[Request]:
+    def key(request: Request) -> tuple[int, int, int]:
+        num_new = sched_out.num_scheduled_tokens[request.request_id]
+        seq_len = request.num_computed_tokens + num_new
+        return (0, -seq_len, 0) if num_new == 1 else (1, -num_new, -seq_len)
+
+    return sorted(sched_out.scheduled, key=key)
+
+
+def build_causal_batch(
+    sched_out: SchedulerOutput,
+    states: RequestStates,
+    kv_config: KVCacheConfig,
+    layer_groups: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    max_pad_fraction: float,
+) -> CausalBatch:
+    requests = _flat_order(sched_out)
+    query_lens = [sched_out.num_scheduled_tokens[r.request_id] for r in requests]
+    context_lens = [r.num_computed_tokens for r in requests]
+    input_ids = list(
+        itertools.chain.from_iterable(
+            r.token_ids_between(c, c + q)
+            for r, c, q in zip(requests, context_lens, query_lens, strict=True)
+        )
+    )
+    num_tokens = len(input_ids)
+    query_lens_t = torch.tensor(query_lens)
+    cu = torch.zeros(len(requests) + 1, dtype=torch.int64)
+    torch.cumsum(query_lens_t, 0, out=cu[1:])
+    # position of flat token t of request i = t - cu[i] + context_lens[i]
+    offsets = torch.repeat_interleave(torch.tensor(context_lens) - cu[:-1], query_lens_t)
+    positions = torch.arange(num_tokens) + offsets
+    token_request = torch.repeat_interleave(torch.arange(len(requests)), query_lens_t)
+
+    rows = split_rows(context_lens, query_lens)
+    first_spec = kv_config.groups[0].spec
+    spans = plan_buckets(rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction)
+    groups = []
+    for group_id, group in enumerate(kv_config.groups):
+        tables = [states[r.request_id].block_ids[group_id] for r in requests]
+        block_table = torch.from_numpy(_pad_table(tables))
+        groups.append(
+            build_group_metadata(
+                rows, spans, block_table, token_request, positions, group.spec, dtype, device
+            )
+        )
+    attn_metadata = PagedAttentionMetadata(num_tokens, tuple(groups), layer_groups)
+    return CausalBatch(
+        requests=requests,
+        query_lens=query_lens,
+        context_lens=context_lens,
+        input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
+        positions=positions.to(device, non_blocking=True),
+        cu_query_lens=cu.to(device, non_blocking=True),
+        attn_metadata=attn_metadata,
+        reaches_end=[
+            c + q >= r.num_tokens
+            for r, c, q in zip(requests, context_lens, query_lens, strict=True)
+        ],
+    )
+
+
+def _pad_table(tables: list[list[int]]) -> np.ndarray:
+    """Block tables → [num_requests, max_blocks] int64, 0 (the null block) after each row's end."""
+    width = max((len(t) for t in tables), default=0)
+    out = np.zeros((len(tables), max(width, 1)), dtype=np.int64)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = table
+    return out
