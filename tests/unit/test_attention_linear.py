@@ -39,10 +39,8 @@ def test_buckets_bound_padding_and_cover_every_token():
     assert meta.cu_seqlens.tolist() == [0, 100, 198, 288, 374, 414, 453, 460, 463, 466, 467]
 
 
-@pytest.mark.parametrize("explicit_max_len", [0, 1000], ids=["sdpa", "explicit"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_encoder_attention_matches_per_sequence_sdpa(monkeypatch, explicit_max_len, dtype, tol):
-    monkeypatch.setattr(torch_backend, "EXPLICIT_MAX_LEN", explicit_max_len)
+def test_encoder_attention_matches_per_sequence_sdpa(dtype, tol):
     torch.manual_seed(0)
     seq_lens = [57, 55, 50, 31, 30, 12, 12, 12, 5, 1]
     heads, head_dim = 4, 16

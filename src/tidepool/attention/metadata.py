@@ -32,9 +32,8 @@ class AttentionBucket:
     max_len: int
     gather_index: torch.Tensor | None
     """[num_seqs * max_len] flat token index per padded slot; None when no slot is padding."""
-    key_bias: torch.Tensor | None
-    """[num_seqs * num_heads, 1, max_len] float32: 0 for real keys, -inf for padding; None without
-    padding. Added to the scores inside the QK^T GEMM (baddbmm), so masking costs no extra pass."""
+    key_mask: torch.Tensor | None
+    """[num_seqs, 1, 1, max_len] bool, True where the key is a real token; None without padding."""
     valid_slots: torch.Tensor | None
     """[end - start] padded slots that hold real tokens, in flat order; None without padding."""
 
@@ -71,7 +70,7 @@ def build_encoder_metadata(
             and seq_lens[j] >= max_len * (1.0 - max_pad_fraction)
         ):
             j += 1
-        buckets.append(_make_bucket(seq_lens[i:j], cu[i], cu[j], max_len, num_heads, device))
+        buckets.append(_make_bucket(seq_lens[i:j], cu[i], cu[j], max_len, device))
         i = j
     return EncoderAttentionMetadata(
         num_tokens=cu[-1],
@@ -82,7 +81,7 @@ def build_encoder_metadata(
 
 
 def _make_bucket(
-    lens: list[int], start: int, end: int, max_len: int, num_heads: int, device: torch.device
+    lens: list[int], start: int, end: int, max_len: int, device: torch.device
 ) -> AttentionBucket:
     num_seqs = len(lens)
     if all(n == max_len for n in lens):
@@ -94,14 +93,12 @@ def _make_bucket(
     # Padded slots read the sequence's first token: any real value works, the mask hides it.
     gather = torch.where(valid, seq_starts[:, None] + slot[None, :], seq_starts[:, None])
     valid_slots = valid.reshape(-1).nonzero().squeeze(1)
-    key_bias = torch.zeros(num_seqs, max_len).masked_fill_(~valid, float("-inf"))
-    key_bias = key_bias.repeat_interleave(num_heads, dim=0).unsqueeze(1)
     return AttentionBucket(
         start,
         end,
         num_seqs,
         max_len,
         gather.reshape(-1).to(device),
-        key_bias.to(device),
+        valid.view(num_seqs, 1, 1, max_len).to(device),
         valid_slots.to(device),
     )

@@ -16,7 +16,9 @@ from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
 
-PROMPT_TYPES_HINT = "a string, or a dict with 'prompt' (string) or 'prompt_token_ids' (list of ints)"
+PROMPT_TYPES_HINT = (
+    "a string, or a dict with 'prompt' (string) or 'prompt_token_ids' (list of ints)"
+)
 
 
 @dataclass
@@ -56,8 +58,10 @@ class InputProcessor:
             if "prompt_token_ids" in prompt:
                 return self._parse_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self._parse(prompt["prompt"]) if isinstance(prompt["prompt"], str) else (
-                    f"'prompt' must be a string, got {_describe(prompt['prompt'])}"
+                return (
+                    self._parse(prompt["prompt"])
+                    if isinstance(prompt["prompt"], str)
+                    else (f"'prompt' must be a string, got {_describe(prompt['prompt'])}")
                 )
             return f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
         if isinstance(prompt, str):
@@ -223,7 +227,10 @@ class InputProcessor:
                 texts.append(i)
         if texts:
             enc = self.tokenizer(
-                [prompts[i] if isinstance(prompts[i], str) else prompts[i]["prompt"] for i in texts],
+                [
+                    prompts[i] if isinstance(prompts[i], str) else prompts[i]["prompt"]
+                    for i in texts
+                ],
                 add_special_tokens=add_special_tokens,
                 return_attention_mask=False,
                 return_token_type_ids=False,

@@ -33,6 +33,8 @@ from tidepool.request import Request
 
 logger = logging.getLogger("tidepool")
 
+ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+
 # vLLM arguments that mean nothing here; accepted (and ignored) so code ports unchanged.
 _IGNORED_VLLM_ARGS = {
     "enforce_eager",
@@ -98,7 +100,9 @@ def build_engine_config(
         if model_config.is_causal:
             max_num_batched_tokens = CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS
         else:
-            max_num_batched_tokens = 16384
+            # Measured (MiniLM, 800 texts, CPU seconds): 4,096-token steps beat 8,192 by 1.1x and
+            # 16,384 by 1.3x in float32 (activations stay closer to cache), tie in bfloat16.
+            max_num_batched_tokens = ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS
         if whole_prompts:
             max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
     elif whole_prompts and max_num_batched_tokens < model_config.max_model_len:

@@ -53,7 +53,11 @@ def _find_in_packages(model_id: str) -> Path | None:
                 folder = Path(dist.locate_file(file)).parent
                 if (folder / "config.json").is_file() and any(
                     (folder / w).exists()
-                    for w in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
+                    for w in (
+                        "model.safetensors",
+                        "pytorch_model.bin",
+                        "model.safetensors.index.json",
+                    )
                 ):
                     return folder.resolve()
     return None
@@ -73,7 +77,9 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     found = _find_in_hf_cache(model_id)
     if found is not None:
         return found
-    cache_dir = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+    cache_dir = (
+        os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+    )
     tried.append(f"Hugging Face cache ({cache_dir}) for {model_id!r}")
     found = _find_in_packages(model_id)
     if found is not None:
@@ -194,7 +200,9 @@ def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
             else:
                 modes = [mode for key, mode in _POOLING_KEYS if pcfg.get(key)]
             if len(modes) > 1:
-                raise ValueError(f"{mpath}: several pooling modes at once ({modes}) are not supported")
+                raise ValueError(
+                    f"{mpath}: several pooling modes at once ({modes}) are not supported"
+                )
             pooling_mode = modes[0] if modes else None
             include_prompt = bool(pcfg.get("include_prompt", True))
         elif mtype.endswith("Dense"):
