@@ -248,7 +248,8 @@ def build_model_config(
 
     derived = int(getattr(hf_config, "max_position_embeddings", 512))
     if any(arch.startswith(p) for p in _ROBERTA_LIKE):
-        derived -= int(getattr(hf_config, "pad_token_id", 1) or 1) + 1
+        pad = getattr(hf_config, "pad_token_id", None)
+        derived -= (1 if pad is None else int(pad)) + 1  # positions start after padding_idx
     if st.max_seq_length is not None:
         derived = min(derived, st.max_seq_length)
     if max_model_len is None:

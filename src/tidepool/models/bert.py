@@ -18,6 +18,12 @@ from tidepool.attention.torch_backend import encoder_attention
 from tidepool.models.layers.linear import Linear
 
 
+def roberta_position_offset(config) -> int:
+    """RoBERTa numbers positions from padding_idx + 1 (a pad id of 0 is a real value)."""
+    pad = getattr(config, "pad_token_id", None)
+    return (1 if pad is None else int(pad)) + 1
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, config, position_offset: int = 0) -> None:
         super().__init__()
@@ -132,7 +138,7 @@ class BertModel(nn.Module):
         self.config = config
         offset = 0
         if self.position_offset_from_padding:
-            offset = int(getattr(config, "pad_token_id", 1) or 1) + 1
+            offset = roberta_position_offset(config)
         self.embeddings = BertEmbeddings(config, position_offset=offset)
         self.encoder = BertEncoder(config)
 

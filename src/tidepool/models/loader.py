@@ -77,9 +77,10 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     found = _find_in_hf_cache(model_id)
     if found is not None:
         return found
-    cache_dir = (
-        os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
-    )
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE as cache_dir
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        cache_dir = "~/.cache/huggingface/hub"
     tried.append(f"Hugging Face cache ({cache_dir}) for {model_id!r}")
     found = _find_in_packages(model_id)
     if found is not None:
@@ -174,6 +175,8 @@ def _load_dense(folder: Path) -> DenseModule:
     weight = weights.get("linear.weight")
     if weight is None:
         raise ValueError(f"Dense module in {folder} has no linear.weight")
+    if cfg.get("use_residual"):
+        raise ValueError(f"{folder}: Dense modules with use_residual=true are not supported yet")
     act = str(cfg.get("activation_function", "torch.nn.modules.linear.Identity")).rsplit(".", 1)[-1]
     return DenseModule(weight.float(), weights.get("linear.bias"), act.lower())
 

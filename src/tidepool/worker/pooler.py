@@ -18,6 +18,7 @@ chunked form: a partial value per chunk, folded into a running value, finished o
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +130,11 @@ class Pooler(nn.Module):
             )
             for d in st.dense
         ]
+        if not st.include_prompt and any(st.prompts.values()):
+            logging.getLogger("tidepool").warning(
+                "this model's Pooling has include_prompt=false; tidepool pools the prompt tokens "
+                "too, so embeddings of prompted texts differ slightly from sentence-transformers"
+            )
         # vLLM normalizes embeddings by default; a sentence-transformers pipeline without a
         # Normalize module says otherwise, and we honour it.
         self.default_normalize = st.normalize or not st.is_sentence_transformer
@@ -171,10 +177,10 @@ class Pooler(nn.Module):
 
     def _finish_embedding(self, x: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         """x: [..., embed] float32 → normalized and truncated per the request."""
+        # An explicit normalize=False wins, with or without dimensions (as vLLM).
         normalize = self.default_normalize if params.normalize is None else params.normalize
         if params.dimensions is not None:
             x = x[..., : params.dimensions]
-            normalize = normalize or self.default_normalize
         if normalize:
             x = F.normalize(x, p=2, dim=-1)
         return x
