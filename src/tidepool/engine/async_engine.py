@@ -341,13 +341,16 @@ class AsyncEngine:
     def _step(self, state: _LoopState) -> None:
         start = time.perf_counter()
         try:
-            outputs = self._core.step()
+            step_outputs = self._core.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the requests of that step only")
             self.stats.num_failed_steps += 1
             self._fail_step(state, exc)
             return
         self.stats.num_steps += 1
+        # A pooling request yields one output, when it finishes. (A generating request would
+        # yield one output per token; the server submits none yet.)
+        outputs = [out for out in step_outputs if isinstance(out, PoolingRequestOutput)]
         self.stats.num_finished_requests += len(outputs)
         for out in outputs:
             group = state.group_of.pop(out.request_id, None)

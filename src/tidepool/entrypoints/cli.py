@@ -51,7 +51,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="torch device (default: CUDA if present)")
-    parser.add_argument("--runner", default="auto", choices=["auto", "pooling"])
+    parser.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate"])
     parser.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"])
     parser.add_argument("--trust-remote-code", action="store_true")
     for flag, kind in _IGNORED_VLLM_FLAGS:

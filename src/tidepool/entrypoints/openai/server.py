@@ -41,6 +41,7 @@ ERROR_TYPES = {
     413: "RequestEntityTooLargeError",
     422: "UnprocessableEntityError",
     500: "InternalServerError",
+    501: "NotImplementedError",
     503: "ServiceUnavailableError",
 }
 # Routes anyone may call when --api-key is set (probes and scrapers carry no key).

@@ -165,17 +165,17 @@ class OpenAIServing:
                 param,
             )
 
+    def _model_kind(self) -> str:
+        kinds = {"classify": "a cross-encoder / classifier", "generate": "a generating model"}
+        return kinds.get(self.model_config.task, "an embedding model")
+
     def _check_task(self, task: str, api: str) -> None:
         if task not in self.engine.supported_tasks:
-            kind = (
-                "a cross-encoder / classifier"
-                if self.model_config.task == "classify"
-                else ("an embedding model")
-            )
+            supported = ", ".join(self.engine.supported_tasks) or "none"
             raise ApiError(
                 400,
-                f"The model does not support the {api} API: it is {kind} "
-                f"(supported pooling tasks: {', '.join(self.engine.supported_tasks)})",
+                f"The model does not support the {api} API: it is {self._model_kind()} "
+                f"(supported pooling tasks: {supported})",
             )
 
     def _params(self, param: str = "input", **fields: Any) -> PoolingParams:
@@ -325,11 +325,12 @@ class OpenAIServing:
             scores = [float(o.outputs.data.reshape(-1)[0]) for o in outputs]
             return scores, sum(len(o.prompt_token_ids) for o in outputs)
         if "embed" not in self.engine.supported_tasks:
+            labels = f" with {self.model_config.num_labels} labels"
             raise ApiError(
                 400,
-                "The model cannot score: it is a classifier with "
-                f"{self.model_config.num_labels} labels (scoring needs one label or an "
-                "embedding model)",
+                f"The model cannot score: it is {self._model_kind()}"
+                f"{labels if self.model_config.task == 'classify' else ''} (scoring needs a "
+                "cross-encoder with one label or an embedding model)",
             )
         return await self._score_by_embedding(pairs, truncate_prompt_tokens, param)
 
@@ -406,6 +407,12 @@ class OpenAIServing:
 
     def refuse_generation(self, requested: str | None, api: str) -> NoReturn:
         name = self.model_name(requested)
+        if self.model_config.task == "generate":
+            raise ApiError(
+                501,
+                f"The {api} API is not served yet: `tidepool serve` runs pooling routes only; "
+                f"generate with `{name}` offline through LLM.generate / LLM.chat",
+            )
         raise ApiError(
             400,
             f"The model `{name}` does not generate text, so the {api} API is not available: "
