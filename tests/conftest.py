@@ -359,3 +359,8 @@ def hf_reference(tiny_model_path) -> Callable[[str], object]:
         return loaded[kind]
 
     return get
+
+
+# ----------------------------------------------------------------------------- tiny decoders
+
+from tiny_decoders import hf_decoder, tiny_decoder_llm, tiny_decoder_path  # noqa: E402, F401

@@ -72,28 +72,8 @@ class Scheduler:
                     f"request {request.request_id} has {request.num_prompt_tokens} tokens, more "
                     f"than max_num_batched_tokens={self.config.max_num_batched_tokens}"
                 )
-        if kv is not None:
-            self._check_fits_in_cache(request, kv)
         self.waiting.append(request)
         self.requests[request.request_id] = request
-
-    def _check_fits_in_cache(self, request: Request, kv: KVCacheManager) -> None:
-        """A request that could outgrow the whole pool alone would preempt itself forever."""
-        num_tokens = request.num_tokens
-        params = request.sampling_params
-        if params is not None:
-            max_tokens = params.max_tokens or (self.max_model_len or num_tokens)
-            num_tokens += max_tokens
-        if self.max_model_len is not None:
-            num_tokens = min(num_tokens, self.max_model_len)
-        num_blocks = kv.num_groups * _cdiv(num_tokens, kv.block_size)
-        num_usable = kv.config.num_blocks - 1  # block 0 is the null block
-        if num_blocks > num_usable:
-            raise ValueError(
-                f"request {request.request_id} may need {num_blocks} KV blocks "
-                f"({num_tokens} tokens), more than the cache holds ({num_usable}); "
-                "raise kv_cache_memory_bytes or lower max_tokens"
-            )
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request wherever it is (False if unknown or already finished)."""

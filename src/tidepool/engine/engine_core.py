@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tidepool.config import EngineConfig
 from tidepool.core.scheduler import Scheduler, StepOutput
 from tidepool.kv_cache.manager import KVCacheManager
+from tidepool.kv_cache.spec import KVCacheConfig
 from tidepool.request import Request
 from tidepool.worker.model_runner import ModelRunner
 
@@ -53,11 +54,12 @@ class EngineCore:
         self.config = config
         self.model_runner = ModelRunner(config)
         kv_config = self.model_runner.kv_cache_config
-        self.kv_cache_manager = (
-            None
-            if kv_config is None
-            else KVCacheManager(kv_config, enable_caching=config.cache.enable_prefix_caching)
-        )
+        self.kv_cache_manager = None
+        if kv_config is not None:
+            _check_holds_one_request(kv_config, config)
+            self.kv_cache_manager = KVCacheManager(
+                kv_config, enable_caching=config.cache.enable_prefix_caching
+            )
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, config.model.max_model_len
         )
@@ -118,4 +120,21 @@ class EngineCore:
             num_steps=self.stats.num_steps,
             num_scheduled_tokens=self.stats.num_scheduled_tokens,
             model_seconds=self.stats.model_seconds,
+        )
+
+
+def _check_holds_one_request(kv_config: KVCacheConfig, config: EngineConfig) -> None:
+    """A request of max_model_len tokens must fit alone, or it would preempt itself forever
+    (vLLM makes the same check at start-up)."""
+    max_model_len = config.model.max_model_len
+    budget = config.scheduler.max_num_batched_tokens
+    num_needed = sum(
+        g.spec.max_num_blocks_per_request(max_model_len, budget) for g in kv_config.groups
+    )
+    if num_needed > kv_config.num_blocks - 1:  # block 0 is the null block
+        max_tokens = (kv_config.num_blocks - 1) // len(kv_config.groups) * kv_config.block_size
+        raise ValueError(
+            f"the KV cache holds {kv_config.num_blocks - 1} blocks, fewer than one request of "
+            f"max_model_len={max_model_len} tokens needs ({num_needed}); raise "
+            f"kv_cache_memory_bytes or lower max_model_len (to about {max_tokens})"
         )
