@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -63,6 +64,16 @@ def _as_list(prompts: PromptsArg, what: str = "prompts") -> list:
     )
 
 
+def _set_torch_threads() -> None:
+    """TIDEPOOL_NUM_THREADS, else the cores this process may run on (torch's own default counts
+    the machine's cores, which oversubscribes a process pinned to fewer, e.g. in a container)."""
+    threads = envs.num_threads()
+    if threads is None and hasattr(os, "sched_getaffinity"):
+        threads = min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+
+
 def build_engine_config(
     model: str = DEFAULT_MODEL,
     *,
@@ -82,8 +93,7 @@ def build_engine_config(
     kv_cache_memory_fraction: float | None = None,
 ) -> EngineConfig:
     """The engine configuration from `LLM`'s arguments; shared with the server's AsyncEngine."""
-    if (threads := envs.num_threads()) is not None:
-        torch.set_num_threads(threads)
+    _set_torch_threads()
     model_config = build_model_config(
         model,
         convert=convert,
