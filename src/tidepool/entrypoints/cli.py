@@ -172,8 +172,8 @@ def _add_embed_parser(subparsers: Any) -> None:
         "A rerun with the same arguments resumes after the rows already written.",
     )
     _add_engine_args(parser)
-    parser.add_argument("--input", "-i", type=Path, default=None)
-    parser.add_argument("--output", "-o", type=Path, default=None)
+    parser.add_argument("--input", "-i", type=_path_or_uri, default=None)
+    parser.add_argument("--output", "-o", type=_path_or_uri, default=None)
     parser.add_argument("--text-field", default="text", help="jsonl key / parquet column of texts")
     parser.add_argument("--id-field", default=None, help="copy this key / column to the output")
     parser.add_argument("--chunk-size", type=int, default=512, help="rows embedded per write")
@@ -197,7 +197,30 @@ def _add_embed_parser(subparsers: Any) -> None:
         help="embed a built-in sample corpus offline and print throughput",
     )
     parser.add_argument("--num-demo-texts", type=int, default=300)
+    _add_ray_embed_args(parser)
     parser.set_defaults(func=cmd_embed)
+
+
+def _path_or_uri(value: str) -> Path | str:
+    """A local path, or a URI kept as text (Path would fold "s3://b" into "s3:/b"); --ray only."""
+    return value if "://" in value else Path(value)
+
+
+def _add_ray_embed_args(parser: argparse.ArgumentParser) -> None:
+    """`--ray`: the same job on a Ray cluster (tidepool.ray.embed_job; docs/ray.md)."""
+    group = parser.add_argument_group("on a Ray cluster (pip install 'tidepool[ray]')")
+    group.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="run on Ray: a cluster address, 'auto' (the cluster this machine is in) or 'local'; "
+        "INPUT may be a folder or URI, OUTPUT is a folder of parquet files, one per shard",
+    )
+    group.add_argument("--num-actors", type=int, default=None, help="engines (default: CPUs)")
+    group.add_argument("--cpus-per-actor", type=float, default=1.0, help="threads per engine")
+    group.add_argument(
+        "--rows-per-file", type=int, default=10_000, help="input rows per output file (a shard)"
+    )
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -208,6 +231,14 @@ def cmd_embed(args: argparse.Namespace) -> int:
         raise SystemExit("error: tidepool embed needs --input and --output (or --demo)")
     if args.chunk_size < 1:
         raise SystemExit("error: --chunk-size must be >= 1")
+    if args.ray is not None and not args.demo:  # the input may be a folder or a URI there
+        from tidepool.ray.embed_job import cmd_embed_ray
+
+        if args.rows_per_file < 1:
+            raise SystemExit("error: --rows-per-file must be >= 1")
+        return cmd_embed_ray(args, _model_arg(args), _engine_kwargs(args))
+    if isinstance(args.input, str) or isinstance(args.output, str):
+        raise SystemExit("error: URIs (s3://, gs://, ...) need --ray; give local paths")
     if args.input is not None and not args.input.is_file():
         raise SystemExit(f"error: no input file {args.input}")
     llm = LLM(_model_arg(args), **_engine_kwargs(args))

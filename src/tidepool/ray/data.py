@@ -1,0 +1,402 @@
+"""Ray Data: one tidepool engine per actor, mapping a column of a Dataset to new columns.
+
+    ds.map_batches(
+        Predictor,
+        fn_constructor_kwargs={"model": "sentence-transformers/all-MiniLM-L6-v2"},
+        compute=ray.data.ActorPoolStrategy(size=4),  # 4 actors, one engine each
+        num_cpus=1,
+        batch_format="pyarrow",
+    )
+
+or `embed_dataset(ds, model, concurrency=4)` for the same. The input columns pass through
+untouched (ids stay with their rows); the task adds an output column and an error column:
+
+    embed     embedding  fixed_size_list<float32>[dim]   null where the row failed
+    classify  probs      fixed_size_list<float32>[num_labels]
+    score     score      float32                          (column and pair_column, per row)
+    all       error      string                           null where the row succeeded
+
+Each row's output is a function of that row alone (the engine is batch invariant), so a batch
+that Ray retries after an actor died produces the same rows again: nothing is lost or doubled.
+A bad row (None, an empty string, a number, too long without truncation) gets a null output and
+the reason in the error column; the rest of its batch is computed (`BatchInputError.outputs`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tidepool.models.loader import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from ray.data import Dataset
+
+logger = logging.getLogger("tidepool")
+
+TASKS = ("embed", "classify", "score")
+DEFAULT_OUTPUT_COLUMNS = {"embed": "embedding", "classify": "probs", "score": "score"}
+OUTPUT_DTYPES = ("float16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class PooledRows:
+    """The results of one batch of rows, in row order."""
+
+    values: np.ndarray
+    """[num_rows, width] (embed, classify) or [num_rows] (score); zeros where a row failed."""
+    errors: list[str | None]
+    """Per row: None, or why the row has no value."""
+
+
+# ---------------------------------------------------------------------- engine calls
+
+
+def pool_rows(
+    llm: Any,
+    task: str,
+    texts: list[Any],
+    pairs: list[Any] | None = None,
+    *,
+    pooling_params: Any = None,
+    truncate_prompt_tokens: int | None = None,
+) -> PooledRows:
+    """Run `task` over `texts` (and `pairs` for score); bad rows become errors, never raise.
+
+    Errors of the whole call (dimensions larger than the model's, a task the model lacks) still
+    raise: they are settings to fix, and no row of the job could succeed.
+    """
+    from tidepool.outputs import BatchInputError
+
+    try:
+        outputs = _call_engine(llm, task, texts, pairs, pooling_params, truncate_prompt_tokens)
+        errors: list[str | None] = [None] * len(texts)
+    except BatchInputError as e:
+        outputs = e.outputs
+        errors = [None] * len(texts)
+        for error in e.errors:
+            errors[error.index] = error.message
+    return PooledRows(_stack(task, outputs, len(texts)), errors)
+
+
+def _call_engine(
+    llm: Any,
+    task: str,
+    texts: list[Any],
+    pairs: list[Any] | None,
+    pooling_params: Any,
+    truncate_prompt_tokens: int | None,
+) -> list[Any]:
+    if task == "score":
+        return llm.score(
+            texts,
+            pairs,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            pooling_params=pooling_params,
+            use_tqdm=False,
+        )
+    # encode() hands back tensors: no per-row Python lists, unlike embed() / classify().
+    return llm.encode(
+        texts,
+        pooling_params,
+        pooling_task=task,
+        truncate_prompt_tokens=truncate_prompt_tokens,
+        use_tqdm=False,
+    )
+
+
+def _stack(task: str, outputs: Sequence[Any], num_rows: int) -> np.ndarray:
+    if task == "score":
+        return np.array(
+            [0.0 if out is None else out.outputs.score for out in outputs], dtype=np.float64
+        )
+    vectors = [None if out is None else out.outputs.data.float().numpy() for out in outputs]
+    width = next((len(v) for v in vectors if v is not None), 0)
+    stacked = np.zeros((num_rows, width), dtype=np.float32)
+    for i, vector in enumerate(vectors):
+        if vector is not None:
+            stacked[i] = vector
+    return stacked
+
+
+# ---------------------------------------------------------------------- arrow columns
+
+
+def arrow_column(rows: PooledRows, dtype: str, width: int) -> pa.Array:
+    """The output column: fixed-size lists (or scalars for score), null where a row failed."""
+    import pyarrow as pa
+
+    failed = np.array([e is not None for e in rows.errors], dtype=bool)
+    if rows.values.ndim == 1:
+        return pa.array(rows.values.astype(dtype), mask=failed)
+    values = rows.values if rows.values.shape[1] == width else np.zeros((len(rows.errors), width))
+    flat = pa.array(np.ascontiguousarray(values, dtype=dtype).reshape(-1))
+    return pa.FixedSizeListArray.from_arrays(flat, width, mask=pa.array(failed))
+
+
+def error_column(rows: PooledRows) -> pa.Array:
+    import pyarrow as pa
+
+    return pa.array(rows.errors, type=pa.string())
+
+
+# ---------------------------------------------------------------------- the actor
+
+
+class Predictor:
+    """A callable class for `Dataset.map_batches`: one engine per actor, loaded once.
+
+    Batches may be pyarrow Tables (`batch_format="pyarrow"`, what the helpers use: columns pass
+    through without a copy) or dicts of numpy arrays (Ray's default); the answer has the same
+    kind, with the output and error columns added.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        task: str = "embed",
+        column: str = "text",
+        pair_column: str | None = None,
+        output_column: str | None = None,
+        error_column: str = "error",
+        output_dtype: str = "float32",
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = -1,
+        num_threads: int | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        _check_options(task, pair_column, output_dtype)
+        self.task = task
+        self.column = column
+        self.pair_column = pair_column
+        self.output_column = output_column or DEFAULT_OUTPUT_COLUMNS[task]
+        self.error_column = error_column
+        self.output_dtype = output_dtype
+        self.truncate_prompt_tokens = truncate_prompt_tokens
+        self.llm = _load_engine(model, num_threads, engine_kwargs or {})
+        self.pooling_params = self._pooling_params(dimensions, normalize)
+        self._width: int | None = None
+
+    def _pooling_params(self, dimensions: int | None, normalize: bool | None) -> Any:
+        from tidepool.params import PoolingParams
+
+        if self.task != "embed":
+            return None
+        return PoolingParams(dimensions=dimensions, normalize=normalize)
+
+    def __call__(self, batch: pa.Table | dict[str, np.ndarray]) -> pa.Table | dict[str, Any]:
+        columns = _column_names(batch)
+        for name in (self.output_column, self.error_column):
+            if name in columns:
+                raise ValueError(
+                    f"the batch already has a column {name!r}; choose another output_column / "
+                    "error_column"
+                )
+        rows = self.pool(_values(batch, self.column), self._pairs(batch))
+        output = arrow_column(rows, self.output_dtype, self.output_width(rows))
+        errors = error_column(rows)
+        if isinstance(batch, dict):
+            return {**batch, self.output_column: output, self.error_column: errors}
+        return batch.append_column(self.output_column, output).append_column(
+            self.error_column, errors
+        )
+
+    def pool(self, texts: list[Any], pairs: list[Any] | None = None) -> PooledRows:
+        """The task over one batch of values (the CLI's Ray job calls this directly)."""
+        if not texts:
+            return PooledRows(np.zeros((0, self._width or 0), dtype=np.float32), [])
+        return pool_rows(
+            self.llm,
+            self.task,
+            texts,
+            pairs,
+            pooling_params=self.pooling_params,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+        )
+
+    def _pairs(self, batch: pa.Table | dict[str, np.ndarray]) -> list[Any] | None:
+        return None if self.pair_column is None else _values(batch, self.pair_column)
+
+    def output_width(self, rows: PooledRows) -> int:
+        """Every batch must give the same schema, even one in which every row failed."""
+        if rows.values.ndim == 1:
+            return 0
+        if rows.values.shape[1]:
+            self._width = rows.values.shape[1]
+        elif self._width is None:
+            probe = self.pool(["width probe"], ["width probe"] if self.pair_column else None)
+            self._width = probe.values.shape[1]
+        return self._width
+
+
+def _check_options(task: str, pair_column: str | None, output_dtype: str) -> None:
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if (task == "score") != (pair_column is not None):
+        raise ValueError("score needs pair_column (the second text of each pair); only score")
+    if output_dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"output_dtype must be one of {', '.join(OUTPUT_DTYPES)}")
+
+
+def _load_engine(model: str, num_threads: int | None, engine_kwargs: dict[str, Any]) -> Any:
+    import torch
+
+    from tidepool import LLM
+
+    if num_threads is not None:
+        # The tokenizer's Rust thread pool reads this when it first starts: keep it to the
+        # actor's share of the node, as torch's pool is below.
+        os.environ.setdefault("RAYON_NUM_THREADS", str(num_threads))
+    llm = LLM(model, **engine_kwargs)
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    return llm
+
+
+def _column_names(batch: Any) -> list[str]:
+    if isinstance(batch, dict):
+        return list(batch)
+    if hasattr(batch, "column_names"):
+        return list(batch.column_names)
+    raise TypeError(
+        f"batches must be pyarrow Tables or dicts of numpy arrays, got {type(batch).__name__}; "
+        "pass batch_format='pyarrow' to map_batches"
+    )
+
+
+def _values(batch: Any, column: str) -> list[Any]:
+    if column not in _column_names(batch):
+        raise KeyError(f"the batch has no column {column!r}; columns: {_column_names(batch)}")
+    values = batch[column]
+    # numpy str_ / object arrays and Arrow columns both become plain Python values.
+    return values.tolist() if isinstance(values, np.ndarray) else values.to_pylist()
+
+
+# ---------------------------------------------------------------------- dataset helpers
+
+
+def embed_dataset(
+    ds: Dataset,
+    model: str = DEFAULT_MODEL,
+    *,
+    column: str = "text",
+    output_column: str = "embedding",
+    dimensions: int | None = None,
+    normalize: bool | None = None,
+    **options: Any,
+) -> Dataset:
+    """`ds` with an embedding column (float32 lists; null + `error` for bad rows).
+
+    Options: `concurrency` (actors, an int or (min, max); default 1), `num_cpus` (per actor,
+    default 1; the engine uses as many threads), `batch_size` (rows per call, default 256),
+    `error_column`, `output_dtype`, `truncate_prompt_tokens` (default -1: cut to the model's
+    maximum), `engine_kwargs` (LLM's arguments: dtype, max_num_seqs, ...), and anything else
+    `map_batches` takes (e.g. `max_restarts`, `max_task_retries`, `memory`).
+    """
+    return map_dataset(
+        ds,
+        model,
+        task="embed",
+        column=column,
+        output_column=output_column,
+        dimensions=dimensions,
+        normalize=normalize,
+        **options,
+    )
+
+
+def classify_dataset(
+    ds: Dataset, model: str, *, column: str = "text", output_column: str = "probs", **options: Any
+) -> Dataset:
+    """`ds` with a `probs` column (class probabilities); options as `embed_dataset`."""
+    return map_dataset(
+        ds, model, task="classify", column=column, output_column=output_column, **options
+    )
+
+
+def score_dataset(
+    ds: Dataset,
+    model: str,
+    *,
+    column: str = "text_1",
+    pair_column: str = "text_2",
+    output_column: str = "score",
+    **options: Any,
+) -> Dataset:
+    """`ds` with a `score` column: the relevance of each (column, pair_column) row; a
+    cross-encoder reads the pair, an embedding model gives the cosine. Options as `embed_dataset`."""
+    return map_dataset(
+        ds,
+        model,
+        task="score",
+        column=column,
+        pair_column=pair_column,
+        output_column=output_column,
+        **options,
+    )
+
+
+def map_dataset(
+    ds: Dataset,
+    model: str = DEFAULT_MODEL,
+    *,
+    task: str = "embed",
+    column: str = "text",
+    pair_column: str | None = None,
+    output_column: str | None = None,
+    error_column: str = "error",
+    output_dtype: str = "float32",
+    dimensions: int | None = None,
+    normalize: bool | None = None,
+    truncate_prompt_tokens: int | None = -1,
+    concurrency: int | tuple[int, int] = 1,
+    num_cpus: float = 1,
+    batch_size: int = 256,
+    engine_kwargs: dict[str, Any] | None = None,
+    **map_batches_kwargs: Any,
+) -> Dataset:
+    """`ds.map_batches(Predictor, ...)` on a pool of `concurrency` actors, one engine each.
+
+    Ray Data gives actor-pool actors `max_restarts=-1` and `max_task_retries=-1`: an actor that
+    dies is restarted and its batch runs again. Pass finite ones (in `map_batches_kwargs`) to
+    give up instead.
+    """
+    from ray.data import ActorPoolStrategy
+
+    _check_options(task, pair_column, output_dtype)
+    if isinstance(concurrency, int):
+        compute = ActorPoolStrategy(size=concurrency)
+    else:
+        compute = ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
+    predictor_kwargs = {
+        "model": model,
+        "task": task,
+        "column": column,
+        "pair_column": pair_column,
+        "output_column": output_column,
+        "error_column": error_column,
+        "output_dtype": output_dtype,
+        "dimensions": dimensions,
+        "normalize": normalize,
+        "truncate_prompt_tokens": truncate_prompt_tokens,
+        # One torch thread per reserved CPU: more would fight the node's other actors.
+        "num_threads": max(1, int(num_cpus)),
+        "engine_kwargs": engine_kwargs,
+    }
+    return ds.map_batches(
+        Predictor,
+        fn_constructor_kwargs=predictor_kwargs,
+        compute=compute,
+        num_cpus=num_cpus,
+        batch_size=batch_size,
+        batch_format="pyarrow",
+        **map_batches_kwargs,
+    )
