@@ -15,6 +15,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
+# tidepool sets OpenMP's wait policy when imported, before torch loads: the same for all sides.
+import tidepool  # noqa: F401
+
+# isort: split
 import torch
 import torch.nn.functional as F
 

@@ -3,8 +3,12 @@ causal decoders (embed, generate)."""
 
 from __future__ import annotations
 
-from tidepool.entrypoints.llm import LLM
-from tidepool.outputs import (
+from tidepool import envs
+
+envs.apply_openmp_defaults()  # before anything imports torch
+
+from tidepool.entrypoints.llm import LLM  # noqa: E402
+from tidepool.outputs import (  # noqa: E402
     BatchInputError,
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -19,7 +23,7 @@ from tidepool.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tidepool.params import PoolingParams, SamplingParams
+from tidepool.params import PoolingParams, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
