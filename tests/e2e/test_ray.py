@@ -206,12 +206,13 @@ def test_serve_replicas_answer_like_tidepool_serve(minilm_llm: LLM) -> None:
 
     from tidepool.engine.async_engine import AsyncEngine
     from tidepool.entrypoints.openai.server import ServerArgs, build_app
-    from tidepool.ray.serve import build_serve_app
+    from tidepool.ray.serve import app_builder
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        app = build_serve_app(DEFAULT_MODEL, num_replicas=2, num_cpus=0.5)
+        # As `serve run tidepool.ray.serve:app_builder model=... num_replicas=2 num_cpus=0.5`.
+        app = app_builder({"model": DEFAULT_MODEL, "num_replicas": "2", "num_cpus": "0.5"})
         serve.run(app, name="tidepool", route_prefix="/")
         status = serve.status().applications["tidepool"]
         assert status.deployments["tidepool"].replica_states == {"RUNNING": 2}

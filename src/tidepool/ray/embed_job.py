@@ -17,7 +17,8 @@ moved into place, and `_`-prefixed paths are skipped by pyarrow and Ray readers,
 OUTPUT as a dataset sees whole files only.
 
 Columns: `source` (input file, relative to INPUT), `index` (row in that file: blank lines of
-.jsonl / .txt are not rows, as in `tidepool embed`), `id` (with --id-field), `embedding`
+.jsonl / .txt are not rows, as in `tidepool embed`), `id` (with --id-field; one type in every
+file: the parquet inputs' type when they agree, else text), `embedding`
 (float32, null for a bad row) and `error` (why a row has no embedding, else null). A bad row
 (empty text, not a string, not JSON, too long with --no-truncate) is reported, never fatal.
 """
@@ -170,35 +171,62 @@ def shard_name(source: str, row_start: int) -> str:
     return f"{stem}-{digest}-{row_start:012d}.parquet"
 
 
-def plan_shards(fs: pafs.FileSystem, files: list[tuple[str, str]], job: RayEmbedJob) -> list[Shard]:
-    """Every shard of every input file. Parquet needs its footer only; .jsonl / .txt are read
-    once to find where each shard's lines begin."""
-    shards = []
-    for path, source in files:
+@dataclass(frozen=True)
+class JobPlan:
+    input_fs: pafs.FileSystem
+    output_fs: pafs.FileSystem
+    output_path: str
+    shards: list[Shard]
+    id_type: pa.DataType | None
+    """One type for the `id` column of every output file (readers need one schema): the parquet
+    inputs' type when they all agree and there is no .jsonl / .txt input, else string."""
+
+
+def plan_job(job: RayEmbedJob) -> JobPlan:
+    input_fs, input_path = resolve(job.input)
+    output_fs, output_path = resolve(job.output)
+    shards: list[Shard] = []
+    id_types = set()
+    for path, source in list_inputs(input_fs, input_path):
         kind = _input_kind(path)
         if kind == "parquet":
-            ranges = [(a, b, 0, 0) for a, b in _row_ranges(_parquet_rows(fs, path, job), job)]
+            num_rows, id_type = _parquet_footer(input_fs, path, job)
+            ranges = [(a, b, 0, 0) for a, b in _row_ranges(num_rows, job)]
         else:
-            with fs.open_input_stream(path) as stream:
+            with input_fs.open_input_stream(path) as stream:
                 ranges = line_ranges(stream, job.rows_per_file)
+            id_type = "string"
+        id_types.add(id_type)
         for row_start, row_stop, byte_start, byte_stop in ranges:
             name = shard_name(source, row_start)
             shards.append(
                 Shard(path, source, kind, row_start, row_stop, name, byte_start, byte_stop)
             )
-    return shards
+    return JobPlan(input_fs, output_fs, output_path, shards, _one_id_type(job, id_types))
 
 
-def _parquet_rows(fs: pafs.FileSystem, path: str, job: RayEmbedJob) -> int:
+def _one_id_type(job: RayEmbedJob, id_types: set[Any]) -> pa.DataType | None:
+    import pyarrow as pa
+
+    if not job.id_field:
+        return None
+    if len(id_types) == 1 and (only := next(iter(id_types))) != "string":
+        return only
+    return pa.string()
+
+
+def _parquet_footer(fs: pafs.FileSystem, path: str, job: RayEmbedJob) -> tuple[int, Any]:
+    """(rows, id column type) from the footer; the text and id columns must be there."""
     import pyarrow.parquet as pq
 
     with fs.open_input_file(path) as f:
         file = pq.ParquetFile(f)
-        names = file.schema_arrow.names
+        schema = file.schema_arrow
         for column in [job.text_field] + ([job.id_field] if job.id_field else []):
-            if column not in names:
-                raise JobError(f"{path} has no column {column!r}; columns: {names}")
-        return file.metadata.num_rows
+            if column not in schema.names:
+                raise JobError(f"{path} has no column {column!r}; columns: {schema.names}")
+        id_type = schema.field(job.id_field).type if job.id_field else None
+        return file.metadata.num_rows, id_type
 
 
 def _row_ranges(num_rows: int, job: RayEmbedJob) -> list[tuple[int, int]]:
@@ -330,12 +358,18 @@ class ShardWriter:
     """One engine per actor; each call embeds whole shards and writes them, marker last."""
 
     def __init__(
-        self, job: RayEmbedJob, input_fs: pafs.FileSystem, output_fs: pafs.FileSystem, output: str
+        self,
+        job: RayEmbedJob,
+        input_fs: pafs.FileSystem,
+        output_fs: pafs.FileSystem,
+        output: str,
+        id_type: pa.DataType | None,
     ) -> None:
         self.job = job
         self.input_fs = input_fs
         self.output_fs = output_fs
         self.output = output
+        self.id_type = id_type
         self.predictor = Predictor(
             job.model,
             task="embed",
@@ -400,19 +434,18 @@ class ShardWriter:
             "index": pa.array(range(shard.row_start, shard.row_stop), pa.int64()),
         }
         if self.job.id_field:
-            columns["id"] = _id_array(rows.ids)
+            columns["id"] = _id_array(rows.ids, self.id_type)
         columns["embedding"] = arrow_column(pooled, "float32", self.predictor.output_width(pooled))
         columns["error"] = error_column(pooled)
         return pa.table(columns)
 
 
-def _id_array(ids: list[Any]) -> pa.Array:
+def _id_array(ids: list[Any], id_type: pa.DataType) -> pa.Array:
     import pyarrow as pa
 
-    try:
-        return pa.array(ids)
-    except (pa.ArrowInvalid, pa.ArrowTypeError):  # mixed types (jsonl): keep them as text
+    if id_type == pa.string():  # .jsonl ids may be numbers or text: all become text
         return pa.array([None if i is None else str(i) for i in ids], pa.string())
+    return pa.array(ids, type=id_type)
 
 
 # ---------------------------------------------------------------------- the output folder
@@ -487,45 +520,39 @@ def run_ray_embed_job(job: RayEmbedJob, address: str | None = None) -> JobSummar
     """
     import pyarrow.fs as pafs
 
-    input_fs, input_path = resolve(job.input)
-    output_fs, output_path = resolve(job.output)
-    shards = plan_shards(input_fs, list_inputs(input_fs, input_path), job)
+    plan = plan_job(job)
+    output_fs, output_path = plan.output_fs, plan.output_path
     prepare_output(output_fs, output_path, job.settings(_canonical_uri(job.input)), job.overwrite)
     done = completed_shards(output_fs, output_path)
-    pending = [shard for shard in shards if shard.name not in done]
-    if len(pending) < len(shards):
-        print(f"resuming: {len(shards) - len(pending)} of {len(shards)} files are complete")
+    pending = [shard for shard in plan.shards if shard.name not in done]
+    num_shards = len(plan.shards)
+    if len(pending) < num_shards:
+        print(f"resuming: {num_shards - len(pending)} of {num_shards} files are complete")
     results = []
     if pending:
         started = connect(address) if address is not None else False
         try:
-            results = _run_shards(pending, job, input_fs, output_fs, output_path)
+            results = _run_shards(pending, job, plan)
         finally:
             if started:
                 import ray
 
                 ray.shutdown()
-    missing = {s.name for s in shards} - completed_shards(output_fs, output_path)
+    missing = {s.name for s in plan.shards} - completed_shards(output_fs, output_path)
     if missing:
         raise JobError(f"{len(missing)} shards have no completion marker, e.g. {min(missing)}")
     if output_fs.get_file_info(f"{output_path}/{TMP_DIR}").type == pafs.FileType.Directory:
         output_fs.delete_dir(f"{output_path}/{TMP_DIR}")
-    _write_json(output_fs, f"{output_path}/{SUCCESS}", {"num_shards": len(shards)})
+    _write_json(output_fs, f"{output_path}/{SUCCESS}", {"num_shards": num_shards})
     return JobSummary(
-        num_shards=len(shards),
-        num_skipped=len(shards) - len(pending),
+        num_shards=num_shards,
+        num_skipped=num_shards - len(pending),
         num_rows=sum(r["num_rows"] for r in results),
         num_errors=sum(r["num_errors"] for r in results),
     )
 
 
-def _run_shards(
-    pending: list[Shard],
-    job: RayEmbedJob,
-    input_fs: pafs.FileSystem,
-    output_fs: pafs.FileSystem,
-    output_path: str,
-) -> list[dict[str, Any]]:
+def _run_shards(pending: list[Shard], job: RayEmbedJob, plan: JobPlan) -> list[dict[str, Any]]:
     import ray
     from ray.data import ActorPoolStrategy, DataContext
 
@@ -536,7 +563,7 @@ def _run_shards(
     ds = ray.data.from_items([asdict(shard) for shard in pending])
     written = ds.map_batches(
         ShardWriter,
-        fn_constructor_args=(job, input_fs, output_fs, output_path),
+        fn_constructor_args=(job, plan.input_fs, plan.output_fs, plan.output_path, plan.id_type),
         compute=ActorPoolStrategy(size=num_actors),
         num_cpus=job.cpus_per_actor,
         batch_size=1,
@@ -584,6 +611,9 @@ def cmd_embed_ray(args: argparse.Namespace, model: str, engine_kwargs: dict[str,
     except JobError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except ConnectionError as e:  # no cluster at that address
+        print(f"error: cannot join the Ray cluster at {args.ray!r}: {e}", file=sys.stderr)
+        return 2
     print(
         f"embedded {summary.num_rows} rows into {summary.num_shards - summary.num_skipped} files "
         f"of {args.output} ({summary.num_skipped} were complete already)"
