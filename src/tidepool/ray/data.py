@@ -232,7 +232,7 @@ class Predictor:
         if rows.values.shape[1]:
             self._width = rows.values.shape[1]
         elif self._width is None:
-            probe = self.pool(["width probe"], ["width probe"] if self.pair_column else None)
+            probe = self.pool(["width probe"])  # only embed / classify get here
             self._width = probe.values.shape[1]
         return self._width
 
