@@ -101,9 +101,11 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
-# KV-cache budget on CPU when none is given (vLLM's VLLM_CPU_KVCACHE_SPACE default). Pages are
-# committed only when first written, so a small workload costs little of it.
+# KV-cache budget on CPU when none is given: vLLM's VLLM_CPU_KVCACHE_SPACE default, at most a
+# quarter of the memory available now. The engine caps it further at what max_num_seqs requests
+# of max_model_len tokens can use, so small models take little of it.
 CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
+CPU_DEFAULT_KV_CACHE_SHARE = 0.25
 # On a GPU, the share of its memory the whole process may use (vLLM's gpu_memory_utilization).
 GPU_DEFAULT_MEMORY_FRACTION = 0.9
 
@@ -117,8 +119,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks whose token prefix was computed before (chained hashes)."""
     kv_cache_memory_bytes: int | None = None
-    """Bytes for the KV cache. None: `memory_fraction` where given, else 4 GiB on CPU and a
-    0.9 memory fraction on a GPU."""
+    """Bytes for the KV cache. None: `memory_fraction` where given, else on CPU 4 GiB (at most a
+    quarter of the available memory) and on a GPU a 0.9 memory fraction."""
     memory_fraction: float | None = None
     """Share of the device's total memory the whole process may use; the KV cache gets what the
     loaded model leaves of it (vLLM's gpu_memory_utilization)."""
@@ -140,7 +142,12 @@ class CacheConfig:
         if self.kv_cache_memory_bytes is not None or self.memory_fraction is not None:
             return self.kv_cache_memory_bytes, self.memory_fraction
         if device.type == "cpu":
-            return CPU_DEFAULT_KV_CACHE_BYTES, None
+            from tidepool.kv_cache.spec import device_memory_bytes
+
+            available, _ = device_memory_bytes(device)
+            return min(
+                CPU_DEFAULT_KV_CACHE_BYTES, int(available * CPU_DEFAULT_KV_CACHE_SHARE)
+            ), None
         return None, GPU_DEFAULT_MEMORY_FRACTION
 
 

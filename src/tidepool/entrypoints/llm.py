@@ -6,7 +6,6 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,13 +15,12 @@ from tidepool import envs
 from tidepool.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
 from tidepool.engine.engine_core import EngineCore, EngineMetrics
 from tidepool.engine.input_processor import InputProcessor
-from tidepool.engine.output_processor import OutputProcessor
+from tidepool.entrypoints.generation import run_generation
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import (
     BatchInputError,
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
-    EngineCoreOutput,
     PoolingRequestOutput,
     RequestError,
     RequestOutput,
@@ -473,13 +471,6 @@ class LLM:
         preemptions, prompt and generated tokens, since the engine started."""
         return self.engine.get_metrics()
 
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids = list(self.model_config.eos_token_ids)
-        tokenizer_eos = getattr(self.get_tokenizer(), "eos_token_id", None)
-        if tokenizer_eos is not None and tokenizer_eos not in ids:
-            ids.append(int(tokenizer_eos))
-        return tuple(ids)
-
     def _generate(
         self,
         prompts: list,
@@ -492,87 +483,11 @@ class LLM:
                 f"generate() needs a generative model; {self.model_config.architecture} is a "
                 f"{self.model_config.task} model (load a *ForCausalLM, or runner='generate')"
             )
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        # n > 1: n requests per prompt (their prompt blocks are shared through the prefix cache);
-        # a seeded one gets seed + i for completion i, as in vLLM.
-        children = [
-            (i, k, p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + k))
-            for i, p in enumerate(params)
-            for k in range(p.n)
-        ]
-        items = self.input_processor.process_generate(
-            [prompts[i] for i, _, _ in children],
-            [p for _, _, p in children],
-            self._eos_token_ids(),
+        return run_generation(
+            self.engine,
+            self.input_processor,
+            prompts,
+            sampling_params,
+            use_tqdm=use_tqdm,
             add_special_tokens=add_special_tokens,
         )
-        finished = self._run_generate(items, children, prompts, use_tqdm)
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        errors: dict[int, str] = {}
-        for (i, _, _), item, out in zip(children, items, finished, strict=True):
-            if isinstance(item, RequestError):
-                errors.setdefault(i, item.message)
-            elif out is not None and results[i] is None:
-                results[i] = out
-            elif out is not None:
-                results[i].outputs.extend(out.outputs)  # type: ignore[union-attr]
-        for out in results:
-            if out is not None:
-                out.outputs.sort(key=lambda c: c.index)
-        if errors:
-            raise BatchInputError([RequestError(i, m) for i, m in sorted(errors.items())], results)
-        return results  # type: ignore[return-value]
-
-    def _run_generate(
-        self,
-        items: list,
-        children: list[tuple[int, int, SamplingParams]],
-        prompts: list,
-        use_tqdm: bool,
-    ) -> list[RequestOutput | None]:
-        """Step the engine until every request finished; outputs in `items` order."""
-        output_processor = OutputProcessor(self.get_tokenizer())
-        index_of: dict[str, int] = {}
-        for j, (item, (i, k, _)) in enumerate(zip(items, children, strict=True)):
-            if isinstance(item, RequestError):
-                continue
-            self.engine.add_request(item)
-            text = prompts[i] if isinstance(prompts[i], str) else None
-            if isinstance(prompts[i], dict) and isinstance(prompts[i].get("prompt"), str):
-                text = prompts[i]["prompt"]
-            output_processor.add_request(
-                item.request_id, text, item.prompt_token_ids, item.sampling_params, index=k
-            )
-            index_of[item.request_id] = j
-        finished: list[RequestOutput | None] = [None] * len(items)
-        pbar = None
-        if use_tqdm and len(index_of) > 1:
-            from tqdm.auto import tqdm
-
-            pbar = tqdm(total=len(index_of), desc="Processed prompts", dynamic_ncols=True)
-        try:
-            while self.engine.has_unfinished_requests():
-                core_outputs = [o for o in self.engine.step() if isinstance(o, EngineCoreOutput)]
-                done, to_stop = output_processor.process(core_outputs)
-                for request_id, stop_str in to_stop:
-                    self.engine.stop_request(request_id, stop_str)
-                for out in done:
-                    finished[index_of[out.request_id]] = out
-                if pbar is not None and done:
-                    pbar.update(len(done))
-        except BaseException:
-            for request_id in index_of:
-                self.engine.abort_request(request_id)
-            raise
-        finally:
-            if pbar is not None:
-                pbar.close()
-        return finished

@@ -5,8 +5,8 @@
 
 The variants differ only in flags read from the config: q/k/v biases (Qwen2), per-head RMSNorm of
 q and k before RoPE (Qwen3), a sliding window (Mistral, Qwen2 `layer_types`), tied embeddings.
-Module names follow Hugging Face's, except that q/k/v are fused into `qkv_proj` and gate/up into
-`gate_up_proj` (one GEMM each); the residual adds run inside the o_proj / down_proj GEMMs.
+Module names follow Hugging Face's, except that q/k/v are fused into `qkv_proj` (one GEMM);
+the SwiGLU's elementwise ops and the residual adds run inside the GEMMs (oneDNN post-ops).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tidepool.attention.paged import PagedAttentionMetadata, paged_attention
@@ -83,15 +82,21 @@ class DecoderAttention(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_size)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
-            -1, self.num_kv_heads, self.head_size
-        )
+        num_qk_heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_size)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qk_norm:
+            q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_size))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view_as(v))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:
+            # q and k side by side: one rotary pass for both.
+            qk = apply_rotary(
+                qkv[:, : self.q_size + self.kv_size].view(-1, num_qk_heads, self.head_size),
+                cos,
+                sin,
+            )
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(
             q, k, v, kv_cache, attn_metadata.for_layer(self.layer_index), self.scale
         )
@@ -107,20 +112,24 @@ class Qwen3Attention(DecoderAttention):
 
 
 class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) + residual, every elementwise op a GEMM post-op on CPU:
+    gate runs with a fused SiLU, up multiplies by the gate inside its GEMM, down adds the
+    residual. Two GEMMs instead of one fused gate_up cost the same FLOPs and save two passes
+    over [tokens, intermediate] (measured 135 vs 158 ms at 8,192 x 512 → 1,408)."""
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"the MLP supports silu (SwiGLU) only, got hidden_act={act!r}")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        hidden, intermediate = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(hidden, intermediate, bias=bias, activation="silu")
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return self.down_proj(F.silu(gate) * up, residual=residual)
+        return self.down_proj(self.up_proj(x, multiply=self.gate_proj(x)), residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -143,8 +152,6 @@ _STACKED = {
     ".q_proj.": (".qkv_proj.", 0),
     ".k_proj.": (".qkv_proj.", 1),
     ".v_proj.": (".qkv_proj.", 2),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
 }
 
 
@@ -261,12 +268,10 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 def _shard_sizes(module: nn.Module, fused_name: str) -> list[int]:
-    """Output rows of each shard of a fused parameter (q / k / v or gate / up)."""
+    """Output rows of each shard of the fused q / k / v parameter."""
     owner = module.get_submodule(fused_name.rsplit(".", 2)[0])
-    if isinstance(owner, DecoderAttention):
-        return [owner.q_size, owner.kv_size, owner.kv_size]
-    assert isinstance(owner, SwiGLU)
-    return [owner.intermediate_size, owner.intermediate_size]
+    assert isinstance(owner, DecoderAttention)
+    return [owner.q_size, owner.kv_size, owner.kv_size]
 
 
 def load_stacked_weights(

@@ -27,6 +27,8 @@ _ONEDNN_POST_OPS: dict[str, tuple[str, str]] = {
     "gelu_fast": ("gelu", "tanh"),
     "relu": ("relu", ""),
     "tanh": ("tanh", ""),
+    "silu": ("swish", ""),
+    "swish": ("swish", ""),
 }
 
 # oneDNN's packing takes a hint of the typical number of rows; a step holds thousands of tokens.
@@ -66,13 +68,23 @@ class Linear(nn.Module):
         ):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        multiply: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """activation(x @ W.T + b), plus `residual` or times `multiply` (a SwiGLU's gate)."""
         if self._packed is not None and x.dim() == 2:
-            if residual is not None and self.activation is None:
+            if multiply is not None and residual is None and self.activation is None:
+                return torch.ops.mkldnn._linear_pointwise.binary(
+                    x, multiply, self._packed, self.bias, "mul"
+                )
+            if residual is not None and multiply is None and self.activation is None:
                 return torch.ops.mkldnn._linear_pointwise.binary(
                     x, residual, self._packed, self.bias, "add"
                 )
-            if residual is None:
+            if residual is None and multiply is None:
                 post_op, algorithm = _ONEDNN_POST_OPS.get(self.activation or "", ("none", ""))
                 return torch.ops.mkldnn._linear_pointwise(
                     x, self._packed, self.bias, post_op, [], algorithm
@@ -80,6 +92,8 @@ class Linear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if self._act is not None:
             y = self._act(y)
+        if multiply is not None:
+            y = y.mul_(multiply)
         if residual is not None:
             y = y.add_(residual)
         return y

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -16,11 +15,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # One fused kernel (4x faster than the four-op form at 256 x 512 on CPU).
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+            # Four passes, the temporaries reused: on CPU F.rms_norm decomposes into more ops and
+            # is 2x slower (8,192 x 512: 8.9 vs 17.8 ms).
+            inv_rms = torch.mean(x * x, dim=-1, keepdim=True).add_(self.eps).rsqrt_()
+            return torch.mul(x, inv_rms).mul_(self.weight)
         # Lower precision: the statistics in float32, as transformers computes them.
-        normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
-        return self.weight * normed.to(x.dtype)
+        x32 = x.float()
+        inv_rms = torch.mean(x32 * x32, dim=-1, keepdim=True).add_(self.eps).rsqrt_()
+        return self.weight * torch.mul(x32, inv_rms).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape[0]}, eps={self.eps}"
