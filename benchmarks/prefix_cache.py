@@ -19,6 +19,10 @@ import statistics
 import sys
 import time
 
+# tidepool sets OpenMP's wait policy when imported, before torch loads: the same for all sides.
+import tidepool  # noqa: F401
+
+# isort: split
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
