@@ -213,3 +213,17 @@ def test_small_kv_cache_preempts_and_finishes_everything(tiny_decoder_path):
     assert metrics.num_preemptions > 0
     assert metrics.num_requests_running == metrics.num_requests_waiting == 0
     assert metrics.kv_cache_usage == 0.0
+
+
+def test_token_embed_over_chunks_matches_transformers(tiny_decoder_path, hf_decoder):
+    """token_embed needs every token's state: no prefix-cache reads, chunks concatenated."""
+    path = str(tiny_decoder_path("llama-embed"))
+    texts = [INSTRUCTION + QUERIES[0], PROMPTS[3]]
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=7)
+    for _ in range(2):  # the second time, the prompts' blocks are cached: still no reads
+        outs = llm.encode(texts, pooling_task="token_embed", pooling_params=RAW, use_tqdm=False)
+        for text, out in zip(texts, outs, strict=True):
+            expected = _hf_hidden(hf_decoder("llama-embed"), text)
+            assert out.outputs.data.shape == expected.shape
+            assert (out.outputs.data - expected).abs().max() <= ATOL
+    assert llm.get_metrics().prefix_cache_hits == 0
