@@ -67,6 +67,11 @@ class ModelConfig:
     caching apply. False for bidirectional encoders, which run each prompt whole in one step."""
     eos_token_ids: tuple[int, ...] = ()
     """End-of-sequence ids from generation_config.json (else config.json); generation stops there."""
+    model_impl: str = "native"
+    """ "native" (tidepool's model code) or "transformers" (Hugging Face's modeling code with
+    tidepool's attention: models/transformers_backend.py)."""
+    trust_remote_code: bool = False
+    """The transformers backend may run modeling code shipped in the model folder."""
 
     @property
     def runner_type(self) -> str:
@@ -170,13 +175,15 @@ def _base_architecture(arch: str) -> str:
     return arch
 
 
-def _resolve_task(arch: str, runner: str, convert: str) -> tuple[str, str]:
+def _resolve_task(
+    arch: str, runner: str, convert: str, model_impl: str = "native"
+) -> tuple[str, str]:
     """(task, architecture to build) from the checkpoint's architecture and the user's choice.
 
     *ForCausalLM generates unless a pooling runner or a convert is asked for (then its body
     embeds, e.g. e5-mistral); *ForSequenceClassification classifies; anything else embeds.
     """
-    from tidepool.models.registry import is_registered
+    from tidepool.models.registry import has_implementation
 
     if runner == "generate":
         if convert != "auto":
@@ -184,11 +191,11 @@ def _resolve_task(arch: str, runner: str, convert: str) -> tuple[str, str]:
         causal_lm = arch if arch.endswith("ForCausalLM") else None
         if causal_lm is None and arch.endswith("Model"):
             causal_lm = arch.removesuffix("Model") + "ForCausalLM"
-        if causal_lm is None or not is_registered(causal_lm):
+        if causal_lm is None or not has_implementation(causal_lm, model_impl):
             raise ValueError(
                 f"runner='generate' is not available for {arch}: it has no language-model head "
                 "in tidepool (generative architectures: *ForCausalLM of Llama, Mistral, Qwen2, "
-                "Qwen3)"
+                "Qwen3; other *ForCausalLM of transformers with model_impl auto or transformers)"
             )
         return "generate", causal_lm
     is_classifier = arch.endswith("ForSequenceClassification")
@@ -230,10 +237,11 @@ def build_model_config(
     device: str | None = None,
     seed: int = 0,
     trust_remote_code: bool = False,
+    model_impl: str = "auto",
 ) -> ModelConfig:
     from transformers import AutoConfig
 
-    from tidepool.models.registry import get_model_class
+    from tidepool.models.registry import get_model_class, resolve_model_impl
 
     if runner not in ("auto", "pooling", "generate"):
         raise ValueError(f"runner must be auto, pooling or generate, got {runner!r}")
@@ -244,8 +252,16 @@ def build_model_config(
     archs = list(getattr(hf_config, "architectures", None) or [])
     if not archs:
         archs = [f"{type(hf_config).__name__.removesuffix('Config')}Model"]
-    task, arch = _resolve_task(archs[0], runner, convert)
-    is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
+    task, arch = _resolve_task(archs[0], runner, convert, model_impl)
+    impl = resolve_model_impl(arch, model_impl)
+    position_offset = None
+    if impl == "transformers":
+        from tidepool.models.transformers_backend import inspect_hf_model
+
+        info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
+        is_causal, position_offset = info.is_causal, info.position_offset
+    else:
+        is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
 
     st = load_sentence_transformers_meta(path)
     dev = torch.device(device) if device else _default_device()
@@ -254,7 +270,9 @@ def build_model_config(
     torch_dtype = _resolve_dtype(dtype, dev, hf_dtype)
 
     derived = int(getattr(hf_config, "max_position_embeddings", 512))
-    if any(arch.startswith(p) for p in _ROBERTA_LIKE):
+    if position_offset is not None:
+        derived -= position_offset  # the transformers backend read it from the model
+    elif any(arch.startswith(p) for p in _ROBERTA_LIKE):
         pad = getattr(hf_config, "pad_token_id", None)
         derived -= (1 if pad is None else int(pad)) + 1  # positions start after padding_idx
     if st.max_seq_length is not None:
@@ -278,6 +296,8 @@ def build_model_config(
         seed=seed,
         is_causal=is_causal,
         eos_token_ids=_eos_token_ids(path, hf_config),
+        model_impl=impl,
+        trust_remote_code=trust_remote_code,
     )
 
 

@@ -89,6 +89,7 @@ def build_engine_config(
     enable_chunked_prefill: bool = True,
     kv_cache_memory_bytes: int | None = None,
     kv_cache_memory_fraction: float | None = None,
+    model_impl: str = "auto",
 ) -> EngineConfig:
     """The engine configuration from `LLM`'s arguments; shared with the server's AsyncEngine."""
     _set_torch_threads()
@@ -101,6 +102,7 @@ def build_engine_config(
         device=device,
         seed=seed,
         trust_remote_code=trust_remote_code,
+        model_impl=model_impl,
     )
     # Encoders run each prompt whole; causal models with chunked prefill do not need to.
     whole_prompts = not model_config.is_causal or not enable_chunked_prefill
@@ -159,6 +161,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         kv_cache_memory_bytes: int | None = None,
+        model_impl: str = "auto",
         **kwargs: Any,
     ) -> None:
         unknown = set(kwargs) - _IGNORED_VLLM_ARGS
@@ -190,6 +193,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             kv_cache_memory_fraction=memory_fraction,
+            model_impl=model_impl,
         )
         model_config = self.config.model
         self.engine = EngineCore(self.config)

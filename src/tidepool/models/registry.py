@@ -30,6 +30,32 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
+MODEL_IMPLS = ("auto", "native", "transformers")
+"""auto: the native model when there is one, else the transformers backend."""
+
+
+def resolve_model_impl(architecture: str, model_impl: str) -> str:
+    """ "native" or "transformers": which code builds `architecture`."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
+    if model_impl == "auto":
+        return "native" if is_registered(architecture) else "transformers"
+    if model_impl == "native":
+        get_model_class(architecture)  # raises, listing the native architectures
+    return model_impl
+
+
+def has_implementation(architecture: str, model_impl: str) -> bool:
+    """Some code can build `architecture` under `model_impl` (without remote code)."""
+    if model_impl != "transformers" and is_registered(architecture):
+        return True
+    if model_impl == "native":
+        return False
+    from tidepool.models.transformers_backend import has_hf_class
+
+    return has_hf_class(architecture)
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
@@ -52,6 +78,10 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 def build_model(config: ModelConfig) -> nn.Module:
     """Instantiate without initializing (meta device), then fill from the checkpoint."""
+    if config.model_impl == "transformers":
+        from tidepool.models.transformers_backend import build_transformers_model
+
+        return build_transformers_model(config)
     model_cls = get_model_class(config.architecture)
     with torch.device("meta"):
         model = model_cls(config.hf_config)

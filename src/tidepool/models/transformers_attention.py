@@ -1,0 +1,276 @@
+"""tidepool's attention as a function in transformers' attention registry (the transformers backend).
+
+A Hugging Face model built with `attn_implementation="tidepool"` calls `tidepool_attention` in every
+attention layer, with the q / k / v it computed (projections, RoPE, q/k norms all stay HF code):
+
+    query [1, num_heads, num_tokens, head_dim], key / value [1, num_kv_heads, num_tokens, head_dim]
+      → attn_output [1, num_tokens, num_heads, head_dim], None
+
+The batch is the step's flat token stream as one sequence of `num_tokens`. Which tokens belong to
+which sequence, and where the KV cache is, comes from a step object that the backend passes in the
+model call's keyword arguments (`tidepool_step=...`); transformers 5 hands every keyword argument
+of the model's forward down to its attention functions. No global state is read:
+
+    EncoderStep   bucketed bidirectional attention over cu_seqlens (attention/metadata.py), with a
+                  bidirectional sliding window where the layer asks for one (ModernBERT's local
+                  layers: key k is visible to query q when |q - k| < sliding_window)
+    DecoderStep   causal attention over the paged KV cache (attention/paged.py): this step's K/V are
+                  written through the slot mapping, every key is read through the block table, so
+                  chunked prefill and prefix caching work as with native models; the layer's cache
+                  and metadata group are picked by `module.layer_idx`
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata
+from tidepool.attention.paged import PagedAttentionMetadata, paged_attention
+
+ATTENTION_NAME = "tidepool"
+"""The key of our function in transformers' AttentionInterface (config._attn_implementation)."""
+STEP_KWARG = "tidepool_step"
+"""The keyword argument of the model call that carries the step object to the attention calls."""
+
+
+class UnsupportedAttentionError(NotImplementedError):
+    """The model asks for an attention feature that tidepool's attention does not implement."""
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """The step's tokens laid out bucket by bucket in padded form ([num_seqs, max_len] each).
+
+    The encoder runs on this layout, not the packed one: HF computes q, k and v in three tensors,
+    and gathering each into padded form in every layer cost more than the padding itself (three
+    gathers of rows of num_heads * head_dim per layer, measured 3x the native model's one fused
+    gather); padding the token ids once costs a few padded rows of GEMM (the buckets' padding is
+    under max_pad_fraction) and one gather of the final hidden states. Worked example, lengths
+    (7, 6) in one bucket: 14 slots, slot 13 repeats token 7 (c's first) and is masked as a key.
+    """
+
+    token_index: torch.Tensor
+    """[num_slots] the packed token each slot holds (padding slots repeat a real token)."""
+    slot_of_token: torch.Tensor
+    """[num_tokens] the slot each packed token went to (to gather the outputs back)."""
+    metadata: EncoderAttentionMetadata
+    """Buckets over the slots: plain slices with the original key masks, nothing to gather."""
+
+
+def pad_buckets(meta: EncoderAttentionMetadata) -> PaddedLayout:
+    token_index: list[torch.Tensor] = []
+    slot_of_token: list[torch.Tensor] = []
+    buckets: list[AttentionBucket] = []
+    offset = 0
+    for bucket in meta.buckets:
+        num_slots = bucket.num_seqs * bucket.max_len
+        if bucket.gather_index is None:
+            token_index.append(
+                torch.arange(bucket.start, bucket.end, device=meta.cu_seqlens.device)
+            )
+            slot_of_token.append(
+                torch.arange(offset, offset + num_slots, device=meta.cu_seqlens.device)
+            )
+        else:
+            assert bucket.valid_slots is not None
+            token_index.append(bucket.gather_index)
+            slot_of_token.append(bucket.valid_slots + offset)
+        buckets.append(
+            AttentionBucket(
+                offset,
+                offset + num_slots,
+                bucket.num_seqs,
+                bucket.max_len,
+                None,
+                bucket.key_mask,
+                None,
+            )
+        )
+        offset += num_slots
+    padded = EncoderAttentionMetadata(offset, meta.seq_lens, meta.cu_seqlens, buckets)
+    return PaddedLayout(torch.cat(token_index), torch.cat(slot_of_token), padded)
+
+
+@dataclass
+class EncoderStep:
+    """One encoder step: bidirectional attention inside each packed sequence."""
+
+    metadata: EncoderAttentionMetadata
+    num_attention_calls: int = 0
+    _band_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def attend(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        if getattr(module, "is_causal", False):
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} is causal, but the model runs as a bidirectional encoder"
+            )
+        # [1, H, T, D] → [T, H, D] views (no copy).
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        num_tokens, num_heads, head_dim = q.shape
+        buckets = self.metadata.buckets
+        if len(buckets) == 1:
+            out = self._attend_bucket(q, k, v, buckets[0], scale, sliding_window)
+        else:
+            out = q.new_empty(num_tokens, num_heads * head_dim)
+            for bucket in buckets:
+                out[bucket.start : bucket.end] = self._attend_bucket(
+                    q, k, v, bucket, scale, sliding_window
+                )
+        return out.view(1, num_tokens, num_heads, head_dim)
+
+    def _attend_bucket(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bucket: AttentionBucket,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        num_seqs, max_len = bucket.num_seqs, bucket.max_len
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            # [tokens, H, D] → [num_seqs, H, max_len, D]
+            if bucket.gather_index is None:
+                rows = t[bucket.start : bucket.end]
+            else:
+                rows = t.index_select(0, bucket.gather_index)
+            return rows.view(num_seqs, max_len, t.shape[1], t.shape[2]).transpose(1, 2)
+
+        mask = bucket.key_mask  # [num_seqs, 1, 1, max_len] or None
+        if sliding_window is not None and sliding_window < max_len:
+            band = self._band_mask(max_len, sliding_window, q.device)
+            mask = band if mask is None else mask & band
+        o = F.scaled_dot_product_attention(
+            padded(q),
+            padded(k),
+            padded(v),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        # [num_seqs, H, max_len, D] → [num_seqs * max_len, H * D]
+        o = o.transpose(1, 2).reshape(num_seqs * max_len, -1)
+        if bucket.valid_slots is not None:
+            o = o.index_select(0, bucket.valid_slots)
+        return o
+
+    def _band_mask(self, length: int, window: int, device: torch.device) -> torch.Tensor:
+        """[length, length] bool, True where |q - k| < window; made once per step and shape."""
+        band = self._band_masks.get((length, window))
+        if band is None:
+            idx = torch.arange(length, device=device)
+            band = (idx[:, None] - idx[None, :]).abs() < window
+            self._band_masks[(length, window)] = band
+        return band
+
+
+@dataclass
+class DecoderStep:
+    """One causal step over the paged KV cache."""
+
+    metadata: PagedAttentionMetadata
+    kv_caches: list[torch.Tensor]
+    """One [2, num_kv_heads, num_blocks, block_size, head_size] view per attention layer."""
+    cache_index: dict[int, int]
+    """module.layer_idx → index into kv_caches and metadata.layer_groups."""
+    declared_windows: tuple[int | None, ...]
+    """The sliding window each layer declared at build time (its KV spec was made from it)."""
+    num_attention_calls: int = 0
+
+    def attend(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_idx not in self.cache_index:
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} has layer_idx={layer_idx!r}, which names no KV-cache layer"
+            )
+        index = self.cache_index[layer_idx]
+        if sliding_window != self.declared_windows[index]:
+            raise UnsupportedAttentionError(
+                f"layer {layer_idx} attends with sliding_window={sliding_window}, but its config "
+                f"declares {self.declared_windows[index]}; its KV cache was sized for the latter"
+            )
+        if getattr(module, "is_causal", True) is False:
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} is bidirectional, but the model runs as a causal decoder"
+            )
+        # [1, H, T, D] → [T, H, D] views (no copy); paged_attention handles the strides.
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        out = paged_attention(q, k, v, self.kv_caches[index], self.metadata.for_layer(index), scale)
+        return out.view(1, q.shape[0], q.shape[1], q.shape[2])
+
+
+Step = EncoderStep | DecoderStep
+
+
+def tidepool_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract; the step comes in kwargs[STEP_KWARG]."""
+    step: Step | None = kwargs.get(STEP_KWARG)
+    if step is None:
+        raise RuntimeError(
+            f"{type(module).__name__} called tidepool's attention without the step metadata: the "
+            "model's forward does not pass its keyword arguments down to its attention layers"
+        )
+    if attention_mask is not None:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__} adds its own attention mask or bias (e.g. relative position "
+            "biases or a custom mask); tidepool's attention builds its masks from the packed batch"
+        )
+    if softcap is not None:
+        raise UnsupportedAttentionError("attention logit soft-capping is not supported")
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedAttentionError("attention sinks (s_aux) are not supported")
+    if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__}: expected self-attention over one packed sequence, got "
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} (cross-attention?)"
+        )
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    step.num_attention_calls += 1
+    return step.attend(module, query, key, value, scale, sliding_window), None
+
+
+def register_attention() -> None:
+    """Make `attn_implementation="tidepool"` known to transformers (idempotent).
+
+    transformers keeps attention functions in a class-level registry, shared by every model; the
+    function itself is stateless (its state arrives with each call), so registering it twice or
+    from several engines is harmless. No mask function is registered on purpose: for an attention
+    implementation without one, transformers' mask builders return None instead of materializing
+    [num_tokens, num_tokens] masks, and ours builds its masks from the step's metadata.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, tidepool_attention)

@@ -1,0 +1,271 @@
+"""tidepool's model contract around a Hugging Face model (the transformers backend).
+
+    TransformersEncoderModel  forward(input_ids, positions, EncoderAttentionMetadata, token_type_ids)
+    TransformersDecoderModel  forward(input_ids, positions, PagedAttentionMetadata, kv_caches)
+                              + kv_cache_specs(block_size, dtype)
+    both                      → hidden [num_tokens, hidden]; compute_logits(pooled / last states)
+
+The HF body runs on the flat batch as one sequence [1, num_tokens]; the step's attention metadata
+rides in the call's keyword arguments to `tidepool_attention` (transformers_attention.py). Heads
+run as HF wrote them (HeadRunner).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tidepool.config import ModelConfig
+from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from tidepool.models.transformers_attention import (
+    STEP_KWARG,
+    DecoderStep,
+    EncoderStep,
+    UnsupportedAttentionError,
+    pad_buckets,
+)
+
+
+def attention_modules(hf_model: nn.Module) -> list[nn.Module]:
+    """The modules that call the attention function (what HF records as "attentions")."""
+    recorded = getattr(hf_model, "_can_record_outputs", None) or {}
+    target = recorded.get("attentions")
+    target_class = getattr(target, "target_class", target)
+    if isinstance(target_class, type):
+        found = [m for m in hf_model.modules() if isinstance(m, target_class)]
+        if found:
+            return found
+    return [
+        m
+        for m in hf_model.modules()
+        if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")
+    ]
+
+
+# ----------------------------------------------------------------------------- heads
+
+
+@dataclass
+class _BodyOutput:
+    """What the stand-in body returns: the states given to it (and BERT-style pooler output)."""
+
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor | None = None
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        # HF heads index outputs as tuples without the None entries (outputs[1] = pooler output).
+        return tuple(t for t in (self.last_hidden_state, self.pooler_output) if t is not None)[
+            index
+        ]
+
+    def __getattr__(self, name: str) -> None:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None  # cache, past_key_values, hidden_states, attentions: not computed
+
+
+class _StandInBody(nn.Module):
+    """Returns its `inputs_embeds` (the pooled or selected states) as the body's output."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        pooler = getattr(body, "pooler", None)
+        self.pooler = pooler if isinstance(pooler, nn.Module) else None
+        self._signature = inspect.signature(body.forward)
+
+    def forward(self, *args: Any, **kwargs: Any) -> _BodyOutput:
+        states = self._signature.bind_partial(*args, **kwargs).arguments["inputs_embeds"]
+        pooled = None if self.pooler is None else self.pooler(states)
+        return _BodyOutput(states, pooled)
+
+
+class HeadRunner:
+    """The HF model's head on pooled states: [num_seqs, hidden] → [num_seqs, out].
+
+    Calls the HF model's own forward with `inputs_embeds = states[:, None]` (one token per
+    sequence) and its body swapped for `_StandInBody`, in a shallow copy that shares every weight.
+    So whatever the head does (BERT's pooler + classifier, DistilBERT's pre_classifier + ReLU,
+    ModernBERT's head, Granite's logits scaling, a decoder's score on the last token) is HF's code.
+    """
+
+    def __init__(self, hf_model: nn.Module, is_causal: bool) -> None:
+        prefix = getattr(hf_model, "base_model_prefix", "")
+        if prefix not in hf_model._modules:
+            raise UnsupportedAttentionError(
+                f"{type(hf_model).__name__}: cannot find its body ({prefix!r}) to run the head alone"
+            )
+        view = copy.copy(hf_model)
+        view._modules = dict(hf_model._modules)  # its own child table; the children are shared
+        view._modules[prefix] = _StandInBody(hf_model._modules[prefix])
+        self._view = view
+        pad = getattr(hf_model.config, "pad_token_id", None)
+        self._token_id = 1 if pad == 0 else 0  # any non-pad id: "the last token is the real one"
+        # Without a pad id, HF's decoder classifiers refuse batches larger than one.
+        self._one_row_at_a_time = pad is None and is_causal
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        if self._one_row_at_a_time:
+            return torch.cat([self._run(row[None]) for row in states])
+        return self._run(states)
+
+    def _run(self, states: torch.Tensor) -> torch.Tensor:
+        num_seqs = states.shape[0]
+        ids = torch.full((num_seqs, 1), self._token_id, dtype=torch.int64, device=states.device)
+        logits = self._view(input_ids=ids, inputs_embeds=states[:, None, :]).logits
+        return logits.reshape(num_seqs, -1)
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+def _check_attention_calls(step: EncoderStep | DecoderStep, expected: int, model: str) -> None:
+    if step.num_attention_calls != expected:
+        raise UnsupportedAttentionError(
+            f"{model} ran {step.num_attention_calls} attention calls through tidepool for "
+            f"{expected} attention layers: some layers compute attention another way"
+        )
+
+
+class TransformersEncoderModel(nn.Module):
+    """A bidirectional HF encoder on the packed batch (no KV cache)."""
+
+    is_causal: ClassVar[bool] = False
+
+    def __init__(self, hf_model: nn.Module, config: ModelConfig, position_offset: int) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.position_offset = position_offset
+        body = hf_model.base_model
+        self._takes_token_type_ids = "token_type_ids" in inspect.signature(body.forward).parameters
+        self._num_attention_layers = len(attention_modules(hf_model))
+        self.default_pooling_type = "CLS"
+        classifier_pooling = str(getattr(hf_model.config, "classifier_pooling", "")).upper()
+        if config.task == "classify" and classifier_pooling in ("CLS", "MEAN"):
+            self.default_pooling_type = classifier_pooling  # ModernBERT pools before its head
+        self._head = HeadRunner(hf_model, is_causal=False) if config.task != "embed" else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: Any,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        layout = pad_buckets(attn_metadata)
+        step = EncoderStep(layout.metadata)
+        slots = layout.token_index
+        kwargs: dict[str, Any] = {STEP_KWARG: step}
+        if self._takes_token_type_ids:
+            # Always explicit: HF's default slices a buffer of max_position_embeddings zeros,
+            # shorter than a packed batch.
+            types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+            kwargs["token_type_ids"] = types[slots][None]
+        if self.position_offset:
+            positions = positions + self.position_offset
+        out = self.hf_model.base_model(
+            input_ids=input_ids[slots][None], position_ids=positions[slots][None], **kwargs
+        )
+        _check_attention_calls(step, self._num_attention_layers, type(self.hf_model).__name__)
+        return out[0][0].index_select(0, layout.slot_of_token)
+
+    def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        """pooled [num_seqs, hidden] → [num_seqs, num_labels] through the HF classifier."""
+        assert self._head is not None, "an embedding model has no head"
+        return self._head(pooled)
+
+
+@dataclass(frozen=True)
+class _CacheLayer:
+    layer_idx: int
+    num_kv_heads: int
+    head_size: int
+    declared_window: int | None
+    """What the layer passes as sliding_window (HF convention: key k visible when q - k < window)."""
+
+
+def _cache_layer(module: nn.Module, config: Any) -> _CacheLayer:
+    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_size = int(
+        getattr(module, "head_dim", None)
+        or getattr(config, "head_dim", None)
+        or config.hidden_size // num_heads
+    )
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    elif getattr(config, "layer_types", None) is not None:
+        is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        window = config.sliding_window if is_sliding else None
+    elif getattr(config, "use_sliding_window", True) is False:
+        window = None
+    else:
+        window = getattr(config, "sliding_window", None)
+    return _CacheLayer(layer_idx, num_kv_heads, head_size, None if window is None else int(window))
+
+
+class TransformersDecoderModel(nn.Module):
+    """A causal HF decoder over the paged KV cache (chunked prefill, prefix caching)."""
+
+    is_causal: ClassVar[bool] = True
+    default_pooling_type: ClassVar[str] = "LAST"
+
+    def __init__(self, hf_model: nn.Module, config: ModelConfig) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.max_model_len = config.max_model_len
+        modules = attention_modules(hf_model)
+        if any(not isinstance(getattr(m, "layer_idx", None), int) for m in modules):
+            raise UnsupportedAttentionError(
+                f"{type(hf_model).__name__}: attention layers without an integer layer_idx"
+            )
+        self._layers = sorted(
+            (_cache_layer(m, hf_model.config) for m in modules), key=lambda c: c.layer_idx
+        )
+        self._cache_index = {c.layer_idx: i for i, c in enumerate(self._layers)}
+        if len(self._cache_index) != len(self._layers):
+            raise UnsupportedAttentionError("several attention layers share one layer_idx")
+        self._declared_windows = tuple(c.declared_window for c in self._layers)
+        self._head = HeadRunner(hf_model, is_causal=True) if config.task != "embed" else None
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
+        """One spec per attention layer, in layer order. A window at least max_model_len long
+        never drops a key, so such layers keep a full-attention cache."""
+        specs: dict[str, KVCacheSpec | None] = {}
+        for c in self._layers:
+            window = c.declared_window
+            if window is not None and window < self.max_model_len:
+                spec: KVCacheSpec = SlidingWindowSpec(
+                    block_size, c.num_kv_heads, c.head_size, dtype, window
+                )
+            else:
+                spec = FullAttentionSpec(block_size, c.num_kv_heads, c.head_size, dtype)
+            specs[f"layers.{c.layer_idx}"] = spec
+        return specs
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: Any,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        step = DecoderStep(attn_metadata, kv_caches, self._cache_index, self._declared_windows)
+        out = self.hf_model.base_model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,  # the KV cache is ours
+            **{STEP_KWARG: step},
+        )
+        _check_attention_calls(step, len(self._layers), type(self.hf_model).__name__)
+        return out[0][0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_seqs, hidden] → float32 logits [num_seqs, vocab or num_labels]."""
+        assert self._head is not None, "an embedding model has no head"
+        return self._head(hidden).float()
