@@ -480,7 +480,7 @@ def agreement(out: np.ndarray, ref: np.ndarray, task: str, dtype: str) -> dict:
     out, ref = out.reshape(-1), ref.reshape(-1)
     diff = float(np.abs(out - ref).max())
     r = float(np.corrcoef(out, ref)[0, 1])
-    return {"max_abs_diff": diff, "pearson": r, "agreement": f"max |d| {diff:.2e}, r {r:.6f}"}
+    return {"max_abs_diff": diff, "pearson": r, "agreement": f"max abs diff {diff:.2e}, r {r:.6f}"}
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -527,6 +527,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(mini)
     workdir = Path(tempfile.mkdtemp(prefix="peers-"))
     driver = Driver(args, workdir)
+    driver.results["latency_tokens"] = args.latency_tokens
     print(f"work dir {workdir}; python {args.python}; vLLM python {args.vllm_python}")
     if args.vllm_python:
         print(f"vLLM env {VLLM_ENV} LD_PRELOAD={driver.vllm_preload()!r}")
@@ -603,7 +604,8 @@ def print_summary(results: dict) -> None:
         for name, lat in res.get("latency", {}).items()
     ]
     if lat_rows:
-        print("\n| latency, one 32-token text | dtype | p50 ms | p99 ms |")
+        tokens = results.get("latency_tokens", "?")
+        print(f"\n| latency, one {tokens}-token text | dtype | p50 ms | p99 ms |")
         print("| --- | --- | ---: | ---: |")
         for dtype, name, lat in lat_rows:
             print(f"| {ENGINE_NAMES[name]} | {dtype} | {lat['p50_ms']:.2f} | {lat['p99_ms']:.2f} |")
