@@ -178,6 +178,14 @@ ENCODERS = {
         transformers.ElectraConfig(vocab_size=30522, embedding_size=16, num_labels=2, **TINY_SIZES)
     ),
     "modernbert": lambda: transformers.ModernBertModel(_modernbert_config()),
+    # One attention module shared by every layer.
+    "albert": lambda: transformers.AlbertModel(
+        transformers.AlbertConfig(vocab_size=30522, embedding_size=16, **TINY_SIZES)
+    ),
+    # Checkpoint names that transformers converts on load (fused Wqkv): its loader runs.
+    "nomic-bert": lambda: transformers.NomicBertModel(
+        transformers.NomicBertConfig(vocab_size=30522, **TINY_SIZES)
+    ),
     "modernbert-classifier": lambda: transformers.ModernBertForSequenceClassification(
         _modernbert_config(num_labels=3, classifier_pooling="mean")
     ),
@@ -186,6 +194,9 @@ DECODERS = {
     # A window of 24 tokens: prompts and generations outgrow it.
     "phi3": ("Phi3", {"sliding_window": 24}),
     "olmo": ("Olmo", {"clip_qkv": 3.0}),
+    # Its config carries num_key_value_heads=2 (from SIZES), which its attention ignores: the KV
+    # cache is sized from what the layers pass (the load-time probe), not from the config.
+    "gpt-neox": ("GPTNeoX", {}),
     "granite": (
         "Granite",
         {
@@ -252,7 +263,7 @@ def _hf_states(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return body(input_ids=torch.tensor([ids])).last_hidden_state[0]
 
 
-@pytest.mark.parametrize("kind", ["distilbert", "modernbert"])
+@pytest.mark.parametrize("kind", ["distilbert", "modernbert", "albert", "nomic-bert"])
 def test_backend_encoder_matches_transformers(kind, hf_tiny, tiny_texts, report_tolerance):
     folder, hf = hf_tiny(kind)
     llm = LLM(str(folder), device="cpu", dtype="float32")  # auto: no native model
@@ -293,7 +304,7 @@ def test_backend_classifier_matches_transformers(kind, hf_tiny, tiny_texts, repo
     assert measured.max_abs_diff <= ATOL
 
 
-@pytest.mark.parametrize("kind", ["phi3", "olmo", "granite"])
+@pytest.mark.parametrize("kind", ["phi3", "olmo", "granite", "gpt-neox"])
 def test_backend_decoder_matches_transformers(kind, hf_tiny, report_tolerance):
     folder, hf = hf_tiny(kind)
     llm = LLM(str(folder), device="cpu", dtype="float32", **CHUNKED)
@@ -339,6 +350,25 @@ def test_backend_decoder_matches_transformers(kind, hf_tiny, report_tolerance):
     assert report_tolerance(f"backend tiny {kind} LAST", got, expected).max_abs_diff <= ATOL
 
 
+@pytest.mark.parametrize("pad_token_id", [0, None])
+def test_backend_decoder_classifier_matches_transformers(pad_token_id, tmp_path):
+    """LlamaForSequenceClassification: LAST pooling, then HF's score head; without a pad id HF
+    refuses batches, so the head runs one row at a time."""
+    vocab_size = save_tokenizer(tmp_path)
+    sizes = {**SIZES, "pad_token_id": pad_token_id}
+    config = transformers.LlamaConfig(vocab_size=vocab_size, num_labels=3, **sizes)
+    torch.manual_seed(30)
+    hf = transformers.LlamaForSequenceClassification(config).eval()
+    hf.save_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", **CHUNKED)
+    assert llm.model_config.task == "classify" and llm.model_config.is_causal
+    outs = llm.classify(PROMPTS, use_tqdm=False)
+    with torch.inference_mode():
+        logits = torch.cat([hf(input_ids=torch.tensor([o.prompt_token_ids])).logits for o in outs])
+    got = torch.tensor([o.outputs.probs for o in outs])
+    assert (got - logits.softmax(-1)).abs().max() <= ATOL
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -369,6 +399,16 @@ def test_unsupported_attention_is_refused(tmp_path, minilm_path):
     config = transformers.MPNetConfig(vocab_size=30522, **TINY_SIZES)
     transformers.MPNetModel(config).save_pretrained(str(tmp_path))
     with pytest.raises(UnsupportedAttentionError, match="MPNetModel does not declare support"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_attention_chosen_by_name_is_refused(tmp_path):
+    """Falcon picks attention classes by implementation name, bypassing the interface."""
+    vocab_size = save_tokenizer(tmp_path)
+    config = transformers.FalconConfig(vocab_size=vocab_size, **SIZES)
+    torch.manual_seed(0)
+    transformers.FalconForCausalLM(config).save_pretrained(str(tmp_path))
+    with pytest.raises(UnsupportedAttentionError, match="chooses its attention classes by"):
         LLM(str(tmp_path), device="cpu")
 
 

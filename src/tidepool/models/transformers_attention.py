@@ -101,7 +101,8 @@ class EncoderStep:
     """One encoder step: bidirectional attention inside each packed sequence."""
 
     metadata: EncoderAttentionMetadata
-    num_attention_calls: int = 0
+    modules_called: set[int] = field(default_factory=set)
+    """id() of each attention module that ran (ALBERT runs one module in every layer)."""
     _band_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     def attend(
@@ -188,8 +189,10 @@ class DecoderStep:
     cache_index: dict[int, int]
     """module.layer_idx → index into kv_caches and metadata.layer_groups."""
     declared_windows: tuple[int | None, ...]
-    """The sliding window each layer declared at build time (its KV spec was made from it)."""
-    num_attention_calls: int = 0
+    """The sliding window each layer passed in the build-time probe (its KV spec was made from
+    it); a layer passing another one later is refused."""
+    modules_called: set[int] = field(default_factory=set)
+    """id() of each attention module that ran."""
 
     def attend(
         self,
@@ -208,8 +211,8 @@ class DecoderStep:
         index = self.cache_index[layer_idx]
         if sliding_window != self.declared_windows[index]:
             raise UnsupportedAttentionError(
-                f"layer {layer_idx} attends with sliding_window={sliding_window}, but its config "
-                f"declares {self.declared_windows[index]}; its KV cache was sized for the latter"
+                f"layer {layer_idx} attends with sliding_window={sliding_window}, but passed "
+                f"{self.declared_windows[index]} at load time; its KV cache was sized for that"
             )
         if getattr(module, "is_causal", True) is False:
             raise UnsupportedAttentionError(
@@ -221,7 +224,52 @@ class DecoderStep:
         return out.view(1, q.shape[0], q.shape[1], q.shape[2])
 
 
-Step = EncoderStep | DecoderStep
+@dataclass(frozen=True)
+class ObservedLayer:
+    """What one attention layer of a decoder passes to the attention function."""
+
+    num_kv_heads: int
+    head_size: int
+    sliding_window: int | None
+    """HF's convention: key k is visible to query q when q - k < sliding_window."""
+
+
+@dataclass
+class ProbeStep:
+    """A dry run of a decoder on a few tokens, before its KV cache exists: records each layer's
+    KV heads, head size and window from what the layer actually passes (GPT-NeoX-style configs
+    carry fields their attention ignores, so the config alone can mislead). Returns zeros."""
+
+    layers: dict[int, ObservedLayer] = field(default_factory=dict)
+    modules_called: set[int] = field(default_factory=set)
+
+    def attend(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        layer_idx = getattr(module, "layer_idx", None)
+        if not isinstance(layer_idx, int) or layer_idx in self.layers:
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} has layer_idx={layer_idx!r}: each attention layer "
+                "needs its own integer layer_idx to find its KV cache"
+            )
+        if getattr(module, "is_causal", True) is False:
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} is bidirectional, but the model runs as a causal decoder"
+            )
+        if value.shape[-1] != key.shape[-1]:
+            raise UnsupportedAttentionError("keys and values of different head sizes")
+        window = None if sliding_window is None else int(sliding_window)
+        self.layers[layer_idx] = ObservedLayer(int(key.shape[1]), int(key.shape[-1]), window)
+        return query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+Step = EncoderStep | DecoderStep | ProbeStep
 
 
 def tidepool_attention(
@@ -258,7 +306,7 @@ def tidepool_attention(
             f"query {tuple(query.shape)} and key {tuple(key.shape)} (cross-attention?)"
         )
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    step.num_attention_calls += 1
+    step.modules_called.add(id(module))
     return step.attend(module, query, key, value, scale, sliding_window), None
 
 

@@ -137,8 +137,16 @@ def inspect_hf_model(
     check_transformers_version()
     register_attention()
     hf_class = resolve_hf_class(architecture, task, hf_config, path, trust_remote_code)
-    with torch.device("meta"):
-        hf_model = hf_class(backend_config(hf_config))
+    try:
+        with torch.device("meta"):
+            hf_model = hf_class(backend_config(hf_config))
+    except KeyError as e:  # models that pick attention classes by name (Falcon, ...)
+        if ATTENTION_NAME not in str(e):
+            raise
+        raise UnsupportedAttentionError(
+            f"{hf_class.__name__} chooses its attention classes by implementation name instead "
+            "of calling transformers' attention interface; tidepool's attention cannot be plugged in"
+        ) from e
     structure = _check_structure(hf_model)
     return HFModelInfo(hf_class, structure.is_causal, _position_offset(hf_model.base_model))
 
@@ -287,6 +295,15 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         )
 
 
+def _weight_conversions(hf_model: nn.Module) -> list[Any]:
+    """transformers' checkpoint conversions for this model, legacy gamma/beta names aside."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # older 5.x: no conversions
+        return []
+    return list(get_model_conversion_mapping(hf_model, add_legacy=False))
+
+
 def build_transformers_model(config: ModelConfig) -> nn.Module:
     """The HF model for `config`, weights loaded, wrapped with the native models' contract."""
     info = inspect_hf_model(
@@ -294,11 +311,21 @@ def build_transformers_model(config: ModelConfig) -> nn.Module:
     )
     with _parameters_on_meta(config.dtype):
         hf_model = info.hf_class(backend_config(config.hf_config))
+    if _weight_conversions(hf_model):
+        # Checkpoint tensors that transformers renames, splits or merges on load (NomicBERT's
+        # fused Wqkv, ...): its own loader does that (also from the meta device, no copy).
+        hf_model = info.hf_class.from_pretrained(
+            str(config.path),
+            config=backend_config(config.hf_config),
+            attn_implementation=ATTENTION_NAME,
+            dtype=config.dtype,
+        ).to(config.device)
+    else:
+        _materialize(hf_model, config.device)
+        load_hf_weights(hf_model, iter_weights(config.path))
     body = hf_model.base_model
     if config.task == "embed" and isinstance(getattr(body, "pooler", None), nn.Module):
         body.pooler = None  # BERT's pooler feeds classifiers only (add_pooling_layer=False)
-    _materialize(hf_model, config.device)
-    load_hf_weights(hf_model, iter_weights(config.path))
     hf_model.eval().requires_grad_(False)
     _use_packed_linears(hf_model)
     if info.is_causal:

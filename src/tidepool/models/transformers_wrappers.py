@@ -26,6 +26,8 @@ from tidepool.models.transformers_attention import (
     STEP_KWARG,
     DecoderStep,
     EncoderStep,
+    ObservedLayer,
+    ProbeStep,
     UnsupportedAttentionError,
     pad_buckets,
 )
@@ -123,11 +125,13 @@ class HeadRunner:
 # ----------------------------------------------------------------------------- wrappers
 
 
-def _check_attention_calls(step: EncoderStep | DecoderStep, expected: int, model: str) -> None:
-    if step.num_attention_calls != expected:
+def _check_attention_calls(
+    step: EncoderStep | DecoderStep | ProbeStep, expected: int, model: str
+) -> None:
+    if len(step.modules_called) != expected:
         raise UnsupportedAttentionError(
-            f"{model} ran {step.num_attention_calls} attention calls through tidepool for "
-            f"{expected} attention layers: some layers compute attention another way"
+            f"{model}: {len(step.modules_called)} of its {expected} attention layers called "
+            "tidepool's attention; the others compute attention another way"
         )
 
 
@@ -179,36 +183,6 @@ class TransformersEncoderModel(nn.Module):
         return self._head(pooled)
 
 
-@dataclass(frozen=True)
-class _CacheLayer:
-    layer_idx: int
-    num_kv_heads: int
-    head_size: int
-    declared_window: int | None
-    """What the layer passes as sliding_window (HF convention: key k visible when q - k < window)."""
-
-
-def _cache_layer(module: nn.Module, config: Any) -> _CacheLayer:
-    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
-    num_heads = int(config.num_attention_heads)
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    head_size = int(
-        getattr(module, "head_dim", None)
-        or getattr(config, "head_dim", None)
-        or config.hidden_size // num_heads
-    )
-    if hasattr(module, "sliding_window"):
-        window = module.sliding_window
-    elif getattr(config, "layer_types", None) is not None:
-        is_sliding = config.layer_types[layer_idx] == "sliding_attention"
-        window = config.sliding_window if is_sliding else None
-    elif getattr(config, "use_sliding_window", True) is False:
-        window = None
-    else:
-        window = getattr(config, "sliding_window", None)
-    return _CacheLayer(layer_idx, num_kv_heads, head_size, None if window is None else int(window))
-
-
 class TransformersDecoderModel(nn.Module):
     """A causal HF decoder over the paged KV cache (chunked prefill, prefix caching)."""
 
@@ -219,33 +193,41 @@ class TransformersDecoderModel(nn.Module):
         super().__init__()
         self.hf_model = hf_model
         self.max_model_len = config.max_model_len
-        modules = attention_modules(hf_model)
-        if any(not isinstance(getattr(m, "layer_idx", None), int) for m in modules):
-            raise UnsupportedAttentionError(
-                f"{type(hf_model).__name__}: attention layers without an integer layer_idx"
-            )
-        self._layers = sorted(
-            (_cache_layer(m, hf_model.config) for m in modules), key=lambda c: c.layer_idx
-        )
-        self._cache_index = {c.layer_idx: i for i, c in enumerate(self._layers)}
-        if len(self._cache_index) != len(self._layers):
-            raise UnsupportedAttentionError("several attention layers share one layer_idx")
-        self._declared_windows = tuple(c.declared_window for c in self._layers)
+        observed = self._probe(hf_model, len(attention_modules(hf_model)))
+        self._layer_ids = sorted(observed)
+        self._layers = [observed[i] for i in self._layer_ids]
+        self._cache_index = {layer_idx: i for i, layer_idx in enumerate(self._layer_ids)}
+        self._declared_windows = tuple(layer.sliding_window for layer in self._layers)
         self._head = HeadRunner(hf_model, is_causal=True) if config.task != "embed" else None
+
+    @staticmethod
+    @torch.inference_mode()
+    def _probe(hf_model: nn.Module, num_attention_layers: int) -> dict[int, ObservedLayer]:
+        """layer_idx → KV heads, head size, window, as the layers pass them (a 2-token dry run)."""
+        step = ProbeStep()
+        device = next(hf_model.parameters()).device
+        hf_model.base_model(
+            input_ids=torch.zeros(1, 2, dtype=torch.int64, device=device),
+            position_ids=torch.arange(2, device=device)[None],
+            use_cache=False,
+            **{STEP_KWARG: step},
+        )
+        _check_attention_calls(step, num_attention_layers, type(hf_model).__name__)
+        return step.layers
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
         """One spec per attention layer, in layer order. A window at least max_model_len long
         never drops a key, so such layers keep a full-attention cache."""
         specs: dict[str, KVCacheSpec | None] = {}
-        for c in self._layers:
-            window = c.declared_window
+        for layer_idx, layer in zip(self._layer_ids, self._layers, strict=True):
+            window, kv_heads, head_size = layer.sliding_window, layer.num_kv_heads, layer.head_size
             if window is not None and window < self.max_model_len:
                 spec: KVCacheSpec = SlidingWindowSpec(
-                    block_size, c.num_kv_heads, c.head_size, dtype, window
+                    block_size, kv_heads, head_size, dtype, window
                 )
             else:
-                spec = FullAttentionSpec(block_size, c.num_kv_heads, c.head_size, dtype)
-            specs[f"layers.{c.layer_idx}"] = spec
+                spec = FullAttentionSpec(block_size, kv_heads, head_size, dtype)
+            specs[f"layers.{layer_idx}"] = spec
         return specs
 
     def forward(
