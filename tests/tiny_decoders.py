@@ -69,6 +69,13 @@ KINDS: dict[str, tuple[str, str, dict, int]] = {
     # A window of 24 tokens: generation past it checks windowed masks and dropped blocks.
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}, 13),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}, 14),
+    # Layer 0 full attention, layer 1 a sliding window of 16: two KV-cache groups in one pool.
+    "qwen2-hybrid": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+        21,
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, 15),
     # Bare bodies (embedding models): saved by *Model, no LM head in the checkpoint.
     "llama-embed": ("LlamaConfig", "LlamaModel", {}, 16),

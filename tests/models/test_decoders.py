@@ -59,7 +59,15 @@ def _ids(llm: LLM, texts: list[str]) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "kind",
-    ["llama", "llama-llama3-rope", "llama-linear-rope", "mistral", "qwen2", "qwen3"],
+    [
+        "llama",
+        "llama-llama3-rope",
+        "llama-linear-rope",
+        "mistral",
+        "qwen2",
+        "qwen2-hybrid",
+        "qwen3",
+    ],
 )
 def test_greedy_generation_matches_transformers(kind, tiny_decoder_llm, hf_decoder):
     llm, hf = tiny_decoder_llm(kind), hf_decoder(kind)
@@ -71,9 +79,14 @@ def test_greedy_generation_matches_transformers(kind, tiny_decoder_llm, hf_decod
         assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 32
         ref, ref_logits = _hf_greedy(hf, prompt_ids, 32)
         _assert_same_greedy(out.outputs[0].token_ids, ref, ref_logits)
+    groups = llm.engine.kv_cache_manager.config.groups
     if kind == "mistral":
         # Sliding window of 24: the longest request outgrew it, so blocks left the window.
-        assert llm.engine.kv_cache_manager.config.groups[0].spec.sliding_window == 24
+        assert groups[0].spec.sliding_window == 24
+    if kind == "qwen2-hybrid":
+        # A full-attention group and a sliding-window group share one block pool.
+        assert [g.layer_names for g in groups] == [("layers.0",), ("layers.1",)]
+        assert groups[1].spec.sliding_window == 16
 
 
 @torch.inference_mode()
@@ -160,8 +173,9 @@ def test_prefix_caching_on_off_same_outputs_and_expected_hits(tiny_decoder_path)
     assert on.get_metrics().prefix_cache_hits - metrics.prefix_cache_hits == expected_second
 
 
-def test_prefix_caching_and_chunking_keep_generation_equal(tiny_decoder_path):
-    path = str(tiny_decoder_path("qwen3"))
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2-hybrid"])
+def test_prefix_caching_and_chunking_keep_generation_equal(kind, tiny_decoder_path):
+    path = str(tiny_decoder_path(kind))
     prompts = [INSTRUCTION + q for q in QUERIES] + PROMPTS
     reference = None
     for kwargs in (
