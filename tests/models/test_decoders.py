@@ -241,3 +241,15 @@ def test_token_embed_over_chunks_matches_transformers(tiny_decoder_path, hf_deco
             assert out.outputs.data.shape == expected.shape
             assert (out.outputs.data - expected).abs().max() <= ATOL
     assert llm.get_metrics().prefix_cache_hits == 0
+
+
+def test_kv_cache_sizing_arguments(tiny_decoder_path):
+    path = str(tiny_decoder_path("llama"))
+    # One block: 2 layers x [2, 2 heads, 16 tokens, 16 dims] float32 = 8 KiB.
+    by_bytes = LLM(path, dtype="float32", kv_cache_memory_bytes=100 * 8192)
+    assert by_bytes.engine.kv_cache_manager.config.num_blocks == 100
+    # A share of the machine's memory: capped at what max_num_seqs full requests can hold.
+    by_share = LLM(path, dtype="float32", kv_cache_memory_fraction=0.9, max_num_seqs=4)
+    assert by_share.engine.kv_cache_manager.config.num_blocks == 4 * (512 // 16) + 1
+    with pytest.raises(ValueError, match="not both"):
+        LLM(path, kv_cache_memory_bytes=1 << 20, kv_cache_memory_fraction=0.5)

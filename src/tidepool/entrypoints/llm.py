@@ -161,14 +161,23 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         kv_cache_memory_bytes: int | None = None,
+        kv_cache_memory_fraction: float | None = None,
         model_impl: str = "auto",
         **kwargs: Any,
     ) -> None:
+        """Causal models keep a paged KV cache: `kv_cache_memory_bytes` sizes it in bytes,
+        `kv_cache_memory_fraction` as the share of the device's memory the process may use (the
+        cache gets what the model leaves); neither: 4 GiB on CPU (at most a quarter of the free
+        memory), `gpu_memory_utilization` (default 0.9) on a GPU."""
         unknown = set(kwargs) - _IGNORED_VLLM_ARGS
         if unknown:
             raise TypeError(f"LLM() got unexpected arguments: {sorted(unknown)}")
-        memory_fraction = None
-        if kv_cache_memory_bytes is None and "gpu_memory_utilization" in kwargs:
+        memory_fraction = kv_cache_memory_fraction
+        if (
+            memory_fraction is None
+            and kv_cache_memory_bytes is None
+            and ("gpu_memory_utilization" in kwargs)
+        ):
             # vLLM's knob sizes the KV cache on a GPU; on a CPU it means nothing (as in vLLM).
             wants_gpu = (device or "").startswith("cuda") or (
                 device is None and envs.device() is None and torch.cuda.is_available()

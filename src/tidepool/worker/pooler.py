@@ -88,10 +88,6 @@ POOLING_METHODS: dict[str, Callable[[torch.Tensor, PoolingMetadata], torch.Tenso
 }
 
 
-def _pool_sum(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
-    return _segment_sums(hidden, meta)
-
-
 @dataclass(frozen=True)
 class ChunkedMethod:
     """A pooling method over a sequence that arrives in chunks (see the module docstring)."""
@@ -107,7 +103,7 @@ class ChunkedMethod:
 CHUNKED_METHODS: dict[str, ChunkedMethod] = {
     "CLS": ChunkedMethod(_pool_cls, lambda old, new: old, lambda acc, n: acc),
     "LAST": ChunkedMethod(_pool_last, lambda old, new: new, lambda acc, n: acc),
-    "MEAN": ChunkedMethod(_pool_sum, torch.add, lambda acc, n: acc / n),
+    "MEAN": ChunkedMethod(_segment_sums, torch.add, lambda acc, n: acc / n),
     "MAX": ChunkedMethod(_pool_max, torch.maximum, lambda acc, n: acc),
 }
 
