@@ -25,6 +25,7 @@ Every layer of a KV-cache group shares the group's metadata (slot mapping, bucke
 once per step. Masks are additive (0 / -inf): key k is visible to the query at position p when
 k <= p (and k > p - sliding_window). Keys past a row's end read the null block or stale values of
 the row's last block; both are finite (the cache is zero-initialised), and the mask hides them.
+A sliding-window group gathers from the block of a row's first visible key, not from block 0.
 """
 
 from __future__ import annotations
@@ -176,24 +177,17 @@ def _make_bucket(
 ) -> PagedBucket:
     num_rows = len(rows)
     query_len = max(r.query_len for r in rows)
-    num_blocks = -(-max(r.seq_len for r in rows) // block_size)
-    key_len = num_blocks * block_size
-    request_index = torch.tensor([r.request_index for r in rows])
-    table = block_table[request_index]
-    if table.shape[1] < num_blocks:
-        table = F.pad(table, (0, num_blocks - table.shape[1]))
-    block_index = table[:, :num_blocks].reshape(-1)
-
     query_lens = torch.tensor([r.query_len for r in rows])
     context_lens = torch.tensor([r.context_len for r in rows])
+    block_index, key_pos = _row_blocks(rows, context_lens, block_table, block_size, window)
+    key_len = key_pos.shape[1]
     slot = torch.arange(query_len)
     # Padded query slots take the row's last position: their keys are real, so no row of the
     # softmax is all -inf (their outputs are dropped anyway).
     query_pos = context_lens[:, None] + torch.minimum(slot[None, :], query_lens[:, None] - 1)
-    key_pos = torch.arange(key_len)
-    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [rows, queries, keys]
+    visible = key_pos[:, None, :] <= query_pos[:, :, None]  # [rows, queries, keys]
     if window is not None:
-        visible &= key_pos[None, None, :] > query_pos[:, :, None] - window
+        visible &= key_pos[:, None, :] > query_pos[:, :, None] - window
     mask = torch.zeros(num_rows, query_len, key_len, dtype=dtype).masked_fill_(~visible, -torch.inf)
     # Heads are the outer batch axis of the gathered K/V: [num_kv_heads * num_rows, ...].
     mask = mask.unsqueeze(0).expand(num_kv_heads, -1, -1, -1).reshape(-1, 1, query_len, key_len)
@@ -218,6 +212,34 @@ def _make_bucket(
         query_gather,
         valid_slots,
     )
+
+
+def _row_blocks(
+    rows: Sequence[AttentionRow],
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block ids to gather [rows * blocks], position of each gathered key [rows, keys]).
+
+    Full attention reads every block from the first. A sliding window reads from the block of
+    the row's first visible key (first query position - window + 1): a 4K window over a 32K
+    context gathers 4K keys, not 32K.
+    """
+    seq_lens = torch.tensor([r.seq_len for r in rows])
+    last_block = (seq_lens - 1) // block_size
+    first_block = torch.zeros_like(last_block)
+    if window is not None:
+        first_block = torch.clamp(context_lens - window + 1, min=0) // block_size
+    num_blocks = int((last_block - first_block).max()) + 1
+    table = block_table[torch.tensor([r.request_index for r in rows])]
+    columns = first_block[:, None] + torch.arange(num_blocks)[None, :]  # [rows, blocks]
+    if table.shape[1] <= int(columns.max()):
+        table = F.pad(table, (0, int(columns.max()) + 1 - table.shape[1]))
+    block_index = table.gather(1, columns).reshape(-1)
+    key_pos = (first_block * block_size)[:, None] + torch.arange(num_blocks * block_size)[None, :]
+    return block_index, key_pos
 
 
 def _round_up(value: int, multiple: int) -> int:
