@@ -179,7 +179,7 @@ def _make_bucket(
     query_len = max(r.query_len for r in rows)
     query_lens = torch.tensor([r.query_len for r in rows])
     context_lens = torch.tensor([r.context_len for r in rows])
-    block_index, key_pos = _row_blocks(rows, context_lens, block_table, block_size, window)
+    block_index, key_pos = _row_blocks(rows, block_table, block_size, window)
     key_len = key_pos.shape[1]
     slot = torch.arange(query_len)
     # Padded query slots take the row's last position: their keys are real, so no row of the
@@ -216,7 +216,6 @@ def _make_bucket(
 
 def _row_blocks(
     rows: Sequence[AttentionRow],
-    context_lens: torch.Tensor,
     block_table: torch.Tensor,
     block_size: int,
     window: int | None,
@@ -227,16 +226,20 @@ def _row_blocks(
     the row's first visible key (first query position - window + 1): a 4K window over a 32K
     context gathers 4K keys, not 32K.
     """
-    seq_lens = torch.tensor([r.seq_len for r in rows])
-    last_block = (seq_lens - 1) // block_size
-    first_block = torch.zeros_like(last_block)
+    # Per-row block ranges in Python ints: a handful of rows, and tensor reductions cost more.
+    last_blocks = [(r.seq_len - 1) // block_size for r in rows]
+    first_blocks = [0] * len(rows)
     if window is not None:
-        first_block = torch.clamp(context_lens - window + 1, min=0) // block_size
-    num_blocks = int((last_block - first_block).max()) + 1
+        first_blocks = [max(r.context_len - window + 1, 0) // block_size for r in rows]
+    num_blocks = (
+        max(last - first for first, last in zip(first_blocks, last_blocks, strict=True)) + 1
+    )
     table = block_table[torch.tensor([r.request_index for r in rows])]
+    first_block = torch.tensor(first_blocks)
     columns = first_block[:, None] + torch.arange(num_blocks)[None, :]  # [rows, blocks]
-    if table.shape[1] <= int(columns.max()):
-        table = F.pad(table, (0, int(columns.max()) + 1 - table.shape[1]))
+    width = max(first_blocks) + num_blocks
+    if table.shape[1] < width:
+        table = F.pad(table, (0, width - table.shape[1]))
     block_index = table.gather(1, columns).reshape(-1)
     key_pos = (first_block * block_size)[:, None] + torch.arange(num_blocks * block_size)[None, :]
     return block_index, key_pos
