@@ -253,3 +253,27 @@ def test_kv_cache_sizing_arguments(tiny_decoder_path):
     assert by_share.engine.kv_cache_manager.config.num_blocks == 4 * (512 // 16) + 1
     with pytest.raises(ValueError, match="not both"):
         LLM(path, kv_cache_memory_bytes=1 << 20, kv_cache_memory_fraction=0.5)
+
+
+def test_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(tiny_decoder_path, monkeypatch):
+    path = str(tiny_decoder_path("llama-embed"))
+    llm = LLM(path, dtype="float32")
+    texts = [INSTRUCTION + QUERIES[0]]
+    expected = _embed(LLM(path, dtype="float32"), texts)
+    runner = llm.engine.model_runner
+    execute = runner.execute
+
+    def failing(sched_out):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(runner, "execute", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.embed(texts, use_tqdm=False)
+    monkeypatch.setattr(runner, "execute", execute)
+    hits_before = llm.get_metrics().prefix_cache_hits
+    assert (_embed(llm, texts) - expected).abs().max() <= ATOL
+    assert llm.get_metrics().prefix_cache_hits == hits_before  # nothing served from the failure
+    assert (
+        llm.engine.kv_cache_manager.get_num_free_blocks()
+        == llm.get_metrics().kv_cache_num_blocks - 1
+    )

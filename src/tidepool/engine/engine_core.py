@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from tidepool.config import EngineConfig
+from tidepool.core.sched_output import SchedulerOutput
 from tidepool.core.scheduler import Scheduler, StepOutput
 from tidepool.kv_cache.manager import KVCacheManager
 from tidepool.kv_cache.spec import KVCacheConfig
@@ -92,7 +93,11 @@ class EngineCore:
         if sched_out.is_empty:
             return []
         start = time.perf_counter()
-        runner_out = self.model_runner.execute(sched_out)
+        try:
+            runner_out = self.model_runner.execute(sched_out)
+        except Exception:
+            self._forget_unwritten_blocks(sched_out)
+            raise
         self.stats.model_seconds += time.perf_counter() - start
         outputs = self.scheduler.update(sched_out, runner_out)
         self.stats.num_steps += 1
@@ -100,6 +105,22 @@ class EngineCore:
         self.stats.num_prompt_tokens = self.scheduler.stats.num_prompt_tokens
         self.stats.num_scheduled_tokens += sched_out.total_num_scheduled_tokens
         return outputs
+
+    def _forget_unwritten_blocks(self, sched_out: SchedulerOutput) -> None:
+        """A failed step wrote none of its KV, but allocate_slots already entered the blocks it
+        was to fill into the prefix cache: drop their hashes, or a later request could hit them
+        and read garbage. (The caller decides what happens to the requests; the server aborts
+        them.)"""
+        kv = self.kv_cache_manager
+        if kv is None:
+            return
+        for request in sched_out.scheduled:
+            num_new_tokens = sched_out.num_scheduled_tokens[request.request_id]
+            first = request.num_computed_tokens // kv.block_size
+            end = -(-(request.num_computed_tokens + num_new_tokens) // kv.block_size)
+            for group_blocks in kv.get_blocks(request.request_id).blocks:
+                for block in group_blocks[first:end]:
+                    kv.block_pool._evict(block)  # the pool's own "forget this hash"
 
     def get_metrics(self) -> EngineMetrics:
         kv = self.kv_cache_manager
