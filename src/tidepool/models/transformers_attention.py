@@ -18,6 +18,8 @@ of the model's forward down to its attention functions. No global state is read:
                   written through the slot mapping, every key is read through the block table, so
                   chunked prefill and prefix caching work as with native models; the layer's cache
                   and metadata group are picked by `module.layer_idx`
+    ProbeStep     a load-time dry run of a decoder that records each layer's KV heads, head size
+                  and sliding window as the layer passes them (the KV specs are made from these)
 """
 
 from __future__ import annotations
