@@ -43,6 +43,8 @@ class RequestStates:
     """request_id → CachedRequestState, kept in step with SchedulerOutput's block changes."""
 
     states: dict[str, CachedRequestState] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where seeded requests' generators live (the sampler's device)."""
 
     def update(self, sched_out: SchedulerOutput) -> None:
         for request_id in sched_out.finished_req_ids:
@@ -54,7 +56,9 @@ class RequestStates:
             if request_id in sched_out.restarted_req_ids:
                 table = tuple(list(ids) for ids in new_block_ids)
                 if state is None:
-                    self.states[request_id] = CachedRequestState(table, _generator(request))
+                    self.states[request_id] = CachedRequestState(
+                        table, _generator(request, self.device)
+                    )
                 else:  # resumed after preemption: new blocks, progress from scratch
                     state.block_ids, state.pooling_running = table, None
             else:
@@ -66,11 +70,11 @@ class RequestStates:
         return self.states[request_id]
 
 
-def _generator(request: Request) -> torch.Generator | None:
+def _generator(request: Request, device: torch.device) -> torch.Generator | None:
     params = request.sampling_params
     if params is None or params.seed is None:
         return None
-    return torch.Generator().manual_seed(params.seed)
+    return torch.Generator(device=device).manual_seed(params.seed)
 
 
 @dataclass(frozen=True)

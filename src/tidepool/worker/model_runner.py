@@ -43,7 +43,7 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.layer_groups: tuple[int, ...] = ()
-        self.states = RequestStates()
+        self.states = RequestStates(device=self.device)
         self.sampler = Sampler() if config.model.runner_type == "generate" else None
         if config.model.is_causal:
             self._init_kv_cache()
