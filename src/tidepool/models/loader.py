@@ -169,6 +169,10 @@ def _read_json(path: Path) -> dict | list | None:
         return json.load(f)
 
 
+# sentence-transformers Dense activations the pooler applies (see worker/pooler.py).
+DENSE_ACTIVATIONS = ("identity", "tanh")
+
+
 def _load_dense(folder: Path) -> DenseModule:
     cfg = _read_json(folder / "config.json") or {}
     weights = dict(iter_weights(folder))
@@ -178,7 +182,13 @@ def _load_dense(folder: Path) -> DenseModule:
     if cfg.get("use_residual"):
         raise ValueError(f"{folder}: Dense modules with use_residual=true are not supported yet")
     act = str(cfg.get("activation_function", "torch.nn.modules.linear.Identity")).rsplit(".", 1)[-1]
-    return DenseModule(weight.float(), weights.get("linear.bias"), act.lower())
+    act = act.lower()
+    if act not in DENSE_ACTIVATIONS:
+        raise ValueError(
+            f"{folder}: Dense activation {act!r} is not supported; "
+            f"supported: {sorted(DENSE_ACTIVATIONS)}"
+        )
+    return DenseModule(weight.float(), weights.get("linear.bias"), act)
 
 
 def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
