@@ -14,7 +14,7 @@ the medians over rounds are printed. Two rates per Ray job:
             at work, without starting actors and loading the model
     job     rows / wall time of the whole `take_all()`, startup included (what a short job sees)
 
-    python benchmarks/ray_scaling.py [--texts 2000] [--rounds 3] [--batch-size 64]
+    python benchmarks/ray_scaling.py [--texts 2000] [--rounds 3] [--batch-size 256]
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
     parser.add_argument("--texts", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=256)  # embed_dataset's default
     parser.add_argument("--cpus", type=int, default=2)
     args = parser.parse_args()
 
@@ -114,7 +114,8 @@ def main() -> None:
         for name, (actors, threads) in CONFIGS.items():
             results[name].append(run_ray(texts, actors, threads, args.batch_size, args.model))
         line = ", ".join(f"{n} {r[-1].steady:.0f}/{r[-1].job:.0f}" for n, r in results.items())
-        print(f"round {round_index + 1}: steady/job rows/s: {line}")
+        load = os.getloadavg()[0]  # other work on the machine shows up here
+        print(f"round {round_index + 1}: steady/job rows/s: {line}; load average {load:.1f}")
     ray.shutdown()
     _report(results)
 

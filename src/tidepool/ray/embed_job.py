@@ -590,6 +590,11 @@ def cmd_embed_ray(args: argparse.Namespace, model: str, engine_kwargs: dict[str,
     except ImportError:
         print("error: --ray needs Ray: pip install 'tidepool[ray]'", file=sys.stderr)
         return 2
+    from tidepool.entrypoints.llm import build_engine_config
+
+    # A missing model or engine arguments that do not fit fail here, in one line (the CLI's
+    # exit status 2), not in every actor after the cluster has started.
+    build_engine_config(model, **engine_kwargs)
     job = RayEmbedJob(
         input=str(args.input),
         output=str(args.output),

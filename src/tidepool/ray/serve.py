@@ -76,10 +76,11 @@ def build_serve_app(
     name: str = DEPLOYMENT_NAME,
     **deployment_options: Any,
 ) -> Application:
-    """A Serve application of `num_replicas` replicas, each reserving `num_cpus` (its engine runs
-    as many threads). `engine_kwargs` are LLM's arguments; `server_args` those of `tidepool
-    serve` (API key, served model names, limits); `deployment_options` go to
-    `serve.deployment` (e.g. `autoscaling_config`, `health_check_period_s`)."""
+    """A Serve application of `num_replicas` replicas (or as `autoscaling_config` decides), each
+    reserving `num_cpus` (its engine runs as many threads). `engine_kwargs` are LLM's arguments;
+    `server_args` those of `tidepool serve` (API key, served model names, limits);
+    `deployment_options` go to `serve.deployment` (`autoscaling_config`, `health_check_period_s`).
+    """
     from ray import serve
 
     spec = ReplicaSpec(
@@ -93,11 +94,12 @@ def build_serve_app(
     def build_asgi_app() -> FastAPI:
         return build_replica_app(spec)
 
+    if "autoscaling_config" not in deployment_options:  # Serve refuses both at once
+        deployment_options["num_replicas"] = num_replicas
     ingress = serve.ingress(build_asgi_app)()
     deployment = serve.deployment(
         ingress,
         name=name,
-        num_replicas=num_replicas,
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": num_cpus},
         **deployment_options,
