@@ -129,6 +129,9 @@ class CacheConfig:
     memory_fraction: float | None = None
     """Share of the device's total memory the whole process may use; the KV cache gets what the
     loaded model leaves of it (vLLM's gpu_memory_utilization)."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Sliding-window layers keep every block like full attention (one group where head shapes
+    agree): the uniform layout, the baseline the hybrid one is measured against (vLLM's name)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -163,7 +166,13 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
 
 
+# Causal LMs whose body is not named <prefix>Model (Gemma3Model is the multimodal model).
+_CAUSAL_LM_BODIES = {"Gemma3ForCausalLM": "Gemma3TextModel"}
+
+
 def _base_architecture(arch: str) -> str:
+    if arch in _CAUSAL_LM_BODIES:
+        return _CAUSAL_LM_BODIES[arch]
     for suffix in (
         "ForSequenceClassification",
         "ForMaskedLM",
@@ -190,12 +199,14 @@ def _resolve_task(
             raise ValueError(f"convert={convert!r} applies to pooling runners, not 'generate'")
         causal_lm = arch if arch.endswith("ForCausalLM") else None
         if causal_lm is None and arch.endswith("Model"):
-            causal_lm = arch.removesuffix("Model") + "ForCausalLM"
+            lms = {body: lm for lm, body in _CAUSAL_LM_BODIES.items()}
+            causal_lm = lms.get(arch, arch.removesuffix("Model") + "ForCausalLM")
         if causal_lm is None or not has_implementation(causal_lm, model_impl):
             raise ValueError(
                 f"runner='generate' is not available for {arch}: it has no language-model head "
                 "in tidepool (generative architectures: *ForCausalLM of Llama, Mistral, Qwen2, "
-                "Qwen3; other *ForCausalLM of transformers with model_impl auto or transformers)"
+                "Qwen3, Gemma2, Gemma3; other *ForCausalLM of transformers with model_impl auto "
+                "or transformers)"
             )
         return "generate", causal_lm
     is_classifier = arch.endswith("ForSequenceClassification")

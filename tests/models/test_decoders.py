@@ -183,6 +183,8 @@ def test_prefix_caching_and_chunking_keep_generation_equal(kind, tiny_decoder_pa
         dict(enable_prefix_caching=True),
         dict(enable_prefix_caching=True, max_num_batched_tokens=8),  # prompts over several steps
         dict(enable_prefix_caching=False, max_num_batched_tokens=5, max_num_seqs=3),
+        # Uniform layout: sliding-window layers keep every block and still attend in the window.
+        dict(disable_hybrid_kv_cache_manager=True, max_num_batched_tokens=8),
     ):
         llm = LLM(path, dtype="float32", **kwargs)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -89,12 +90,25 @@ class GroupAttentionMetadata:
     buckets: tuple[PagedBucket, ...]
 
 
+class AttentionView(NamedTuple):
+    """Layers that read one KV-cache group's block tables with one spec (mask and gather).
+
+    Usually one view per group. With the uniform layout (disable_hybrid_kv_cache_manager) the
+    sliding-window layers sit in the full-attention group, keep every block, and still attend
+    only inside their window: that group has two views, one per spec.
+    """
+
+    group_id: int
+    spec: KVCacheSpec
+
+
 @dataclass(frozen=True)
 class PagedAttentionMetadata:
     num_tokens: int
     groups: tuple[GroupAttentionMetadata, ...]
+    """One per attention view."""
     layer_groups: tuple[int, ...]
-    """Layer index → its KV-cache group."""
+    """Layer index → its attention view (index into `groups`)."""
 
     def for_layer(self, layer_index: int) -> GroupAttentionMetadata:
         return self.groups[self.layer_groups[layer_index]]
@@ -270,24 +284,51 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: GroupAttentionMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [T, Hq, D], key / value [T, Hkv, D] of this step's tokens → [T, Hq * D].
 
     Writes this step's K/V into the cache first, then each bucket reads every key it needs
     (earlier chunks, prefix-cache hits and this step's tokens alike) from the cache.
+    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask and the
+    softmax; SDPA has no such hook, so capped layers take an explicit matmul-softmax-matmul path.
     """
     write_kv(kv_cache, key, value, meta.slot_mapping)
     num_tokens, num_heads, head_size = query.shape
     if len(meta.buckets) == 1:
-        return _attend_bucket(query, kv_cache, meta.buckets[0], scale)
+        return _attend_bucket(query, kv_cache, meta.buckets[0], scale, softcap)
     out = query.new_empty(num_tokens, num_heads * head_size)
     for bucket in meta.buckets:
-        out[bucket.start : bucket.end] = _attend_bucket(query, kv_cache, bucket, scale)
+        out[bucket.start : bucket.end] = _attend_bucket(query, kv_cache, bucket, scale, softcap)
     return out
 
 
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA with K/V heads broadcast over q's head axis (k, v: [N, 1, keys, D]); with `softcap`,
+    the same on explicit ops, in transformers' eager order: scale, cap, mask, float32 softmax."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    # q [N, G, Q, D] @ k^T [N, 1, D, K] → scores [N, G, Q, K]; the mask [N, 1, Q, K] broadcasts.
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale / softcap).tanh_().mul_(softcap)
+    probs = torch.softmax(scores.add_(mask), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def _attend_bucket(
-    query: torch.Tensor, kv_cache: torch.Tensor, bucket: PagedBucket, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    bucket: PagedBucket,
+    scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
     _, num_kv_heads, num_blocks, block_size, head_size = kv_cache.shape
     num_heads = query.shape[1]
@@ -305,16 +346,14 @@ def _attend_bucket(
         # Decode: the `group` query heads of a KV head act as `group` queries of one head.
         q = q.view(rows, num_kv_heads, group, head_size).transpose(0, 1)
         q = q.reshape(num_kv_heads * rows, 1, group, head_size)
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=bucket.mask, scale=scale)
+        o = _sdpa(q, kv[0], kv[1], bucket.mask, scale, softcap)
         return (
             o.view(num_kv_heads, rows, num_heads * head_size // num_kv_heads)
             .transpose(0, 1)
             .reshape(rows, num_heads * head_size)
         )
     q = q.permute(2, 0, 3, 1, 4).reshape(num_kv_heads * rows, group, q_len, head_size)
-    o = F.scaled_dot_product_attention(
-        q, kv[0], kv[1], attn_mask=bucket.mask, scale=scale, enable_gqa=group > 1
-    )
+    o = _sdpa(q, kv[0], kv[1], bucket.mask, scale, softcap)
     # [Hkv * rows, group, q_len, D] → [rows * q_len, Hq * D]
     o = o.view(num_kv_heads, rows, group, q_len, head_size).permute(1, 3, 0, 2, 4)
     o = o.reshape(rows * q_len, num_heads * head_size)

@@ -89,6 +89,7 @@ def build_engine_config(
     enable_chunked_prefill: bool = True,
     kv_cache_memory_bytes: int | None = None,
     kv_cache_memory_fraction: float | None = None,
+    disable_hybrid_kv_cache_manager: bool = False,
     model_impl: str = "auto",
 ) -> EngineConfig:
     """The engine configuration from `LLM`'s arguments; shared with the server's AsyncEngine."""
@@ -137,6 +138,7 @@ def build_engine_config(
             enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             memory_fraction=kv_cache_memory_fraction,
+            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
         ),
     )
 
@@ -162,13 +164,15 @@ class LLM:
         enable_chunked_prefill: bool = True,
         kv_cache_memory_bytes: int | None = None,
         kv_cache_memory_fraction: float | None = None,
+        disable_hybrid_kv_cache_manager: bool = False,
         model_impl: str = "auto",
         **kwargs: Any,
     ) -> None:
         """Causal models keep a paged KV cache: `kv_cache_memory_bytes` sizes it in bytes,
         `kv_cache_memory_fraction` as the share of the device's memory the process may use (the
         cache gets what the model leaves); neither: 4 GiB on CPU (at most a quarter of the free
-        memory), `gpu_memory_utilization` (default 0.9) on a GPU."""
+        memory), `gpu_memory_utilization` (default 0.9) on a GPU. Sliding-window layers keep only
+        the blocks inside their window unless `disable_hybrid_kv_cache_manager` is set."""
         unknown = set(kwargs) - _IGNORED_VLLM_ARGS
         if unknown:
             raise TypeError(f"LLM() got unexpected arguments: {sorted(unknown)}")
@@ -202,6 +206,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             kv_cache_memory_fraction=memory_fraction,
+            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             model_impl=model_impl,
         )
         model_config = self.config.model

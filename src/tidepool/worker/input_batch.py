@@ -9,6 +9,7 @@ requests only.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,13 +17,13 @@ import numpy as np
 import torch
 
 from tidepool.attention.paged import (
+    AttentionView,
     PagedAttentionMetadata,
     build_group_metadata,
     plan_buckets,
     split_rows,
 )
 from tidepool.core.sched_output import SchedulerOutput
-from tidepool.kv_cache.spec import KVCacheConfig
 from tidepool.request import Request
 
 
@@ -104,8 +105,8 @@ def _flat_order(sched_out: SchedulerOutput) -> list[Request]:
 def build_causal_batch(
     sched_out: SchedulerOutput,
     states: RequestStates,
-    kv_config: KVCacheConfig,
-    layer_groups: tuple[int, ...],
+    views: Sequence[AttentionView],
+    layer_views: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
     max_pad_fraction: float,
@@ -129,18 +130,20 @@ def build_causal_batch(
     token_request = torch.repeat_interleave(torch.arange(len(requests)), query_lens_t)
 
     rows = split_rows(context_lens, query_lens)
-    first_spec = kv_config.groups[0].spec
+    first_spec = views[0].spec
     spans = plan_buckets(rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction)
+    block_tables: dict[int, torch.Tensor] = {}
     groups = []
-    for group_id, group in enumerate(kv_config.groups):
-        tables = [states[r.request_id].block_ids[group_id] for r in requests]
-        block_table = torch.from_numpy(_pad_table(tables))
+    for group_id, spec in views:
+        if group_id not in block_tables:
+            tables = [states[r.request_id].block_ids[group_id] for r in requests]
+            block_tables[group_id] = torch.from_numpy(_pad_table(tables))
         groups.append(
             build_group_metadata(
-                rows, spans, block_table, token_request, positions, group.spec, dtype, device
+                rows, spans, block_tables[group_id], token_request, positions, spec, dtype, device
             )
         )
-    attn_metadata = PagedAttentionMetadata(num_tokens, tuple(groups), layer_groups)
+    attn_metadata = PagedAttentionMetadata(num_tokens, tuple(groups), layer_views)
     return CausalBatch(
         requests=requests,
         query_lens=query_lens,

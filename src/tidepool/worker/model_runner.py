@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from tidepool.attention.metadata import build_encoder_metadata
-from tidepool.attention.paged import allocate_kv_caches
+from tidepool.attention.paged import AttentionView, allocate_kv_caches
 from tidepool.config import EngineConfig
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.kv_cache.spec import KVCacheConfig, group_layers, plan_kv_cache
@@ -42,7 +42,9 @@ class ModelRunner:
         self._arange = torch.arange(config.model.max_model_len, dtype=torch.int64)
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.attention_views: tuple[AttentionView, ...] = ()
         self.layer_groups: tuple[int, ...] = ()
+        """Layer index (among KV-cache layers) → its attention view."""
         self.states = RequestStates(device=self.device)
         self.sampler = Sampler() if config.model.runner_type == "generate" else None
         if config.model.is_causal:
@@ -53,7 +55,7 @@ class ModelRunner:
     def _init_kv_cache(self) -> None:
         cache, model_config = self.config.cache, self.config.model
         specs = self.model.kv_cache_specs(cache.block_size, model_config.dtype)
-        groups = group_layers(specs)
+        groups = group_layers(specs, uniform=cache.disable_hybrid_kv_cache_manager)
         kv_bytes, fraction = cache.budget(self.device)
         kv_config = plan_kv_cache(groups, kv_bytes, fraction, device=self.device)
         # More blocks than max_num_seqs full-length requests can hold at once only feed the prefix
@@ -74,7 +76,15 @@ class ModelRunner:
         }
         names = [name for name, spec in specs.items() if spec is not None]
         self.kv_caches = [caches[name] for name in names]
-        self.layer_groups = tuple(group_of[name] for name in names)
+        # One attention view per (group, layer spec): a layer keeps its own window even where the
+        # uniform layout put it in a full-attention group.
+        views: dict[AttentionView, int] = {}
+        for name in names:
+            views.setdefault(AttentionView(group_of[name], specs[name]), len(views))
+        self.attention_views = tuple(views)
+        self.layer_groups = tuple(
+            views[AttentionView(group_of[name], specs[name])] for name in names
+        )
         self.kv_cache_config = kv_config
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), %d group(s)",
@@ -96,7 +106,7 @@ class ModelRunner:
         batch = build_causal_batch(
             sched_out,
             self.states,
-            self.kv_cache_config,
+            self.attention_views,
             self.layer_groups,
             self.config.model.dtype,
             self.device,
