@@ -46,6 +46,7 @@ class DecoderAttention(nn.Module):
     """Biases on q/k/v (and none on o): Qwen2. None = `config.attention_bias` on all four."""
     qk_norm: ClassVar[bool] = False
     """Per-head RMSNorm of q and k before RoPE: Qwen3."""
+    norm_cls: ClassVar[type[nn.Module]] = RMSNorm
 
     def __init__(self, config: Any, layer_index: int) -> None:
         super().__init__()
@@ -56,6 +57,8 @@ class DecoderAttention(nn.Module):
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         self.scale = self.head_size**-0.5
+        # Attention-logit soft-capping (Gemma 2): scores → softcap * tanh(scores / softcap).
+        self.softcap: float | None = None
         self.sliding_window = _layer_window(config, layer_index)
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
@@ -63,8 +66,8 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+            self.q_norm = self.norm_cls(self.head_size, config.rms_norm_eps)
+            self.k_norm = self.norm_cls(self.head_size, config.rms_norm_eps)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if self.sliding_window is not None:
@@ -76,11 +79,22 @@ class DecoderAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        residual: torch.Tensor,
+        residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
+        out = self.attend(x, cos_sin, attn_metadata, kv_cache)
+        return self.o_proj(out, residual=residual)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [T, hidden] → attention output before o_proj [T, q_size]."""
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         num_qk_heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_size)
@@ -97,10 +111,8 @@ class DecoderAttention(nn.Module):
                 sin,
             )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(
-            q, k, v, kv_cache, attn_metadata.for_layer(self.layer_index), self.scale
-        )
-        return self.o_proj(out, residual=residual)
+        meta = attn_metadata.for_layer(self.layer_index)
+        return paged_attention(q, k, v, kv_cache, meta, self.scale, self.softcap)
 
 
 class Qwen2Attention(DecoderAttention):
@@ -161,15 +173,18 @@ class LlamaModel(nn.Module):
     is_causal: ClassVar[bool] = True
     default_pooling_type: ClassVar[str] = "LAST"
     attention_cls: ClassVar[type[DecoderAttention]] = DecoderAttention
+    layer_cls: ClassVar[type[nn.Module]] = DecoderLayer
+    """Called as layer_cls(config, layer_index, attention_cls)."""
+    norm_cls: ClassVar[type[nn.Module]] = RMSNorm
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.attention_cls) for i in range(config.num_hidden_layers)
+            self.layer_cls(config, i, self.attention_cls) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(_head_size(config), config)
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:

@@ -27,6 +27,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
     "Qwen3Model": ("llama", "Qwen3Model"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    # Hybrid sliding-window / full attention: two KV-cache groups in one block pool.
+    "Gemma2Model": ("gemma", "Gemma2Model"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3TextModel": ("gemma", "Gemma3TextModel"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
 }
 
 

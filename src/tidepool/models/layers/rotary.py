@@ -50,9 +50,15 @@ ROPE_TYPES: dict[str, Callable[[float, int, dict[str, Any]], torch.Tensor]] = {
 """rope_type → inverse frequencies [rotary_dim // 2]; a new scaling type registers here."""
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """transformers 5 `rope_parameters`, or 4.x `rope_theta` + `rope_scaling`, as one dict."""
+def rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
+    """transformers 5 `rope_parameters`, or 4.x `rope_theta` + `rope_scaling`, as one dict.
+
+    Models whose layer types rotate differently (Gemma 3: a local base for sliding-window layers)
+    nest them per layer type in transformers 5: {"full_attention": {...}, "sliding_attention": ...}.
+    """
     params = getattr(config, "rope_parameters", None)
+    if params and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
     if params:
         params = dict(params)
     else:
