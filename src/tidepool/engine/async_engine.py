@@ -12,6 +12,17 @@
 Dynamic batching needs no timer: while a step runs, new requests queue in the inbox, and the next
 step takes all of them (up to the scheduler's token and sequence budgets).
 
+Generating requests stream: `generate()` returns a GenerationStream, an async iterator over the
+RequestOutputs each step produced for the caller. The engine thread runs the OutputProcessor
+(incremental detokenization, stop strings) right after each step, stops a request in the scheduler
+as soon as a stop string ends it, and hands the caller one list per step (one
+`call_soon_threadsafe` per caller and step, not per token):
+
+    engine thread: step() → EngineCoreOutputs → OutputProcessor → deltas ──▶ caller's asyncio.Queue
+                                                 stop string → stop_request      (one put per step)
+
+Pooling requests keep their single-future path (one list comprehension more per step).
+
 Failure isolation: a request the engine rejects fails its caller alone; a step that raises fails
 only the callers whose requests were in that step, and the loop goes on with the others.
 """
@@ -31,9 +42,16 @@ from typing import Any, TypeVar
 
 from tidepool.config import EngineConfig, ModelConfig
 from tidepool.engine.engine_core import EngineCore
+from tidepool.engine.generation_stream import GenerationInput, GenerationStream, StreamGroup
 from tidepool.engine.input_processor import InputProcessor
-from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
-from tidepool.params import PoolingParams
+from tidepool.engine.output_processor import OutputProcessor
+from tidepool.outputs import (
+    BatchInputError,
+    EngineCoreOutput,
+    PoolingRequestOutput,
+    RequestError,
+)
+from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
 
 logger = logging.getLogger("tidepool")
@@ -70,6 +88,8 @@ class AsyncEngineStats:
     """Requests handed to the engine thread and not finished (waiting or in the running step)."""
     num_waiting_requests: int = 0
     """Requests in the scheduler's queue, sampled between steps."""
+    num_running_requests: int = 0
+    """Requests holding KV-cache blocks in the scheduler (decoders), sampled between steps."""
 
 
 class _Group:
@@ -115,12 +135,12 @@ def _set_future(future: asyncio.Future, result: Any, exc: BaseException | None) 
 
 @dataclass
 class _Submit:
-    group: _Group
+    group: _Group | StreamGroup
 
 
 @dataclass
 class _Abort:
-    group: _Group
+    group: _Group | StreamGroup
 
 
 @dataclass
@@ -136,7 +156,7 @@ _Command = _Submit | _Abort | _Stop
 class _LoopState:
     """Engine-thread-only bookkeeping."""
 
-    group_of: dict[str, _Group] = field(default_factory=dict)
+    group_of: dict[str, _Group | StreamGroup] = field(default_factory=dict)
     """request_id → its caller's group, for every unfinished request."""
     stop: _Stop | None = None
 
@@ -148,6 +168,18 @@ class AsyncEngine:
         self.config = config
         self._core = EngineCore(config)
         self.input_processor = InputProcessor(config.model)
+        self._output_processor: OutputProcessor | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
+        if config.model.runner_type == "generate":
+            from transformers import AutoTokenizer
+
+            from tidepool.entrypoints.generation import eos_token_ids
+
+            # The engine thread detokenizes with a tokenizer of its own: the tokenizer thread's
+            # instance may be changing its truncation settings at the same moment.
+            detokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
+            self._output_processor = OutputProcessor(detokenizer)
+            self.eos_token_ids = eos_token_ids(self._core, self.tokenizer)
         self.stats = AsyncEngineStats()
         self._step_listeners: list[Callable[[StepRecord], None]] = []
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -186,6 +218,10 @@ class AsyncEngine:
     def supported_tasks(self) -> tuple[str, ...]:
         # Immutable after construction; reading it from another thread is safe.
         return self._core.model_runner.pooler.supported_tasks()
+
+    @property
+    def can_generate(self) -> bool:
+        return self._output_processor is not None
 
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         """Call `listener` on the engine thread after each step (metrics); add before start()."""
@@ -244,6 +280,42 @@ class AsyncEngine:
         """Run tokenized requests; cancelling the awaiting task aborts them in the engine."""
         with self._admit():
             return await self._run_admitted(requests)
+
+    async def process_generate(
+        self,
+        prompts: Sequence[Any],
+        params: Sequence[SamplingParams],
+        add_special_tokens: bool = True,
+    ) -> list[Request]:
+        """Tokenize and check generating prompts (on the tokenizer thread): one Request per
+        prompt, in order; invalid prompts raise BatchInputError."""
+        with self._admit():
+            items = await self.run_in_tokenizer(
+                self.input_processor.process_generate,
+                prompts,
+                params,
+                self.eos_token_ids,
+                add_special_tokens,
+            )
+        return _requests_or_raise(items)
+
+    def generate(self, inputs: list[GenerationInput], stream: bool = True) -> GenerationStream:
+        """Hand generating requests to the engine; see GenerationStream. `stream`: a delta per
+        request and step that adds text; False: each request's final output only."""
+        if not self.can_generate:
+            raise ValueError(f"this {self.model_config.task} model does not generate text")
+        if not inputs:
+            raise ValueError("generate() needs at least one request")
+        self._check_accepting()
+        group = StreamGroup(list(inputs), asyncio.get_running_loop(), stream)
+        self._num_admitted += 1  # until the stream ends
+        self._inbox.put(_Submit(group))
+        return GenerationStream(
+            group, abort=lambda: self._inbox.put(_Abort(group)), release=self._release
+        )
+
+    def _release(self) -> None:
+        self._num_admitted -= 1
 
     @contextlib.contextmanager
     def _admit(self) -> Iterator[None]:
@@ -316,7 +388,7 @@ class AsyncEngine:
             else:
                 state.stop = command if state.stop is None or not command.drain else state.stop
 
-    def _add_group(self, state: _LoopState, group: _Group) -> None:
+    def _add_group(self, state: _LoopState, group: _Group | StreamGroup) -> None:
         if state.stop is not None:
             group.fail(EngineClosedError("the engine is shutting down"))
             return
@@ -328,18 +400,31 @@ class AsyncEngine:
                 group.fail(BatchInputError([RequestError(index, str(exc))]))
                 return
             state.group_of[request.request_id] = group
+            if isinstance(group, StreamGroup):
+                item = group.inputs[index]
+                self._output_processor.add_request(  # type: ignore[union-attr]
+                    request.request_id,
+                    item.prompt,
+                    request.prompt_token_ids,
+                    request.sampling_params,  # type: ignore[arg-type]
+                    index=item.index,
+                    stream=group.stream,
+                )
 
-    def _drop_group(self, state: _LoopState, group: _Group) -> int:
+    def _drop_group(self, state: _LoopState, group: _Group | StreamGroup) -> int:
         """Abort the group's unfinished requests in the engine; returns how many there were."""
         num_dropped = 0
         for request in group.requests:
             if state.group_of.pop(request.request_id, None) is not None:
                 self._core.abort_request(request.request_id)
+                if self._output_processor is not None:
+                    self._output_processor.abort_request(request.request_id)
                 num_dropped += 1
         return num_dropped
 
     def _step(self, state: _LoopState) -> None:
         start = time.perf_counter()
+        num_scheduled_before = self._core.stats.num_scheduled_tokens
         try:
             step_outputs = self._core.step()
         except Exception as exc:
@@ -348,18 +433,25 @@ class AsyncEngine:
             self._fail_step(state, exc)
             return
         self.stats.num_steps += 1
-        # A pooling request yields one output, when it finishes. (A generating request would
-        # yield one output per token; the server submits none yet.)
+        # A pooling request yields one output, when it finishes; a generating one an
+        # EngineCoreOutput per sampled token.
         outputs = [out for out in step_outputs if isinstance(out, PoolingRequestOutput)]
+        num_generating = len(step_outputs) - len(outputs)
+        if num_generating:
+            self._process_generated(state, step_outputs)
         self.stats.num_finished_requests += len(outputs)
         for out in outputs:
             group = state.group_of.pop(out.request_id, None)
             if group is not None:  # None: aborted while its step ran
-                group.finish_one(out)
-        if self._step_listeners and outputs:
+                group.finish_one(out)  # type: ignore[union-attr]
+        if self._step_listeners and step_outputs:
+            if num_generating:  # decode steps: every scheduled token, prompt chunks included
+                num_tokens = self._core.stats.num_scheduled_tokens - num_scheduled_before
+            else:
+                num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
             record = StepRecord(
-                num_requests=len(outputs),
-                num_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+                num_requests=len(step_outputs),
+                num_tokens=num_tokens,
                 seconds=time.perf_counter() - start,
             )
             for listener in self._step_listeners:
@@ -367,6 +459,26 @@ class AsyncEngine:
                     listener(record)
                 except Exception:  # metrics must never stop the engine
                     logger.exception("step listener failed")
+
+    def _process_generated(self, state: _LoopState, step_outputs: list) -> None:
+        """Detokenize the step's tokens, stop requests a stop string ended, hand each caller the
+        outputs of its requests (one queue put per caller)."""
+        core_outputs = [o for o in step_outputs if isinstance(o, EngineCoreOutput)]
+        outputs, to_stop = self._output_processor.process(core_outputs)  # type: ignore[union-attr]
+        for request_id, stop_str in to_stop:
+            self._core.stop_request(request_id, stop_str)  # frees its blocks before the next step
+        touched: dict[int, StreamGroup] = {}
+        for out in outputs:
+            if out.finished:
+                group = state.group_of.pop(out.request_id, None)
+                self.stats.num_finished_requests += 1
+            else:
+                group = state.group_of.get(out.request_id)
+            if isinstance(group, StreamGroup):  # None: aborted while its step ran
+                group.add_output(out)
+                touched[id(group)] = group
+        for group in touched.values():
+            group.flush()
 
     def _fail_step(self, state: _LoopState, exc: Exception) -> None:
         # The requests of the failed step are the unfinished ones the scheduler no longer holds
@@ -377,7 +489,9 @@ class AsyncEngine:
             self._core.abort_request(request_id)  # drop the scheduler's state of the request
         self._fail_groups(state, failed, f"the engine step failed: {exc!r}")
 
-    def _fail_groups(self, state: _LoopState, group_of: dict[str, _Group], why: str) -> None:
+    def _fail_groups(
+        self, state: _LoopState, group_of: dict[str, _Group | StreamGroup], why: str
+    ) -> None:
         for group in {id(g): g for g in list(group_of.values())}.values():
             self._drop_group(state, group)  # the group's other requests are useless now
             group.fail(EngineStepError(why))
@@ -394,6 +508,7 @@ class AsyncEngine:
     def _publish(self, state: _LoopState) -> None:
         self.stats.num_unfinished_requests = len(state.group_of)
         self.stats.num_waiting_requests = int(getattr(self._core.scheduler, "num_waiting", 0))
+        self.stats.num_running_requests = int(getattr(self._core.scheduler, "num_running", 0))
 
 
 def _requests_or_raise(items: list[Request | RequestError]) -> list[Request]:

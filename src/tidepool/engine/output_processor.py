@@ -9,6 +9,12 @@ decodes a short window of tokens (vLLM's prefix / read offsets).
 Stop strings are searched in the new text only (plus the few characters before it that a stop
 string could start in). When one is found, the text is cut before it (after it with
 include_stop_str_in_output) and the request is reported for the engine to stop.
+
+Streamed requests (`add_request(..., stream=True)`, the server's) get a delta RequestOutput every
+step that adds text: the new text, token ids and logprobs since the last delta. While a stop string
+could still be completing, its possible start is held back (the longest stop string minus one
+character), so that the deltas never show text that the stop string later cuts: the deltas of a
+request always concatenate to the text a non-streamed request gets.
 """
 
 from __future__ import annotations
@@ -105,6 +111,13 @@ class _RequestState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    stream: bool = False
+    """Report a delta every step that adds text, not only the final output."""
+    num_held_back_chars: int = 0
+    """Characters at the end of the text a streamed delta does not show yet (a stop string may
+    start there)."""
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
 
 
 class OutputProcessor:
@@ -120,6 +133,7 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         index: int = 0,
+        stream: bool = False,
     ) -> None:
         detokenizer = None
         if params.detokenize and self.tokenizer is not None:
@@ -128,6 +142,10 @@ class OutputProcessor:
         state = _RequestState(request_id, prompt, prompt_token_ids, params, detokenizer, index)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
+        if stream:
+            state.stream = True
+            if params.stop and not params.include_stop_str_in_output:
+                state.num_held_back_chars = max(len(s) for s in params.stop) - 1
         self.states[request_id] = state
 
     def abort_request(self, request_id: str) -> None:
@@ -136,7 +154,10 @@ class OutputProcessor:
     def process(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """(finished RequestOutputs, [(request_id, stop string)] the engine must stop)."""
+        """(RequestOutputs, [(request_id, stop string)] the engine must stop).
+
+        The outputs are the finished requests, plus a delta for each streamed request whose text
+        grew (`finished=False`)."""
         finished: list[RequestOutput] = []
         to_stop: list[tuple[str, str]] = []
         for out in outputs:
@@ -156,6 +177,8 @@ class OutputProcessor:
             if finish_reason is not None:
                 del self.states[out.request_id]
                 finished.append(self._output(state, finish_reason, stop_reason))
+            elif state.stream and (delta := self._delta(state)) is not None:
+                finished.append(delta)
         return finished, to_stop
 
     def _detokenize(
@@ -191,6 +214,8 @@ class OutputProcessor:
 
     @staticmethod
     def _output(state: _RequestState, finish_reason: str, stop_reason: Any) -> RequestOutput:
+        if state.stream:  # the final delta: everything not sent yet
+            return OutputProcessor._make_delta(state, len(state.text), finish_reason, stop_reason)
         completion = CompletionOutput(
             index=state.index,
             text=state.text,
@@ -206,4 +231,37 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=[completion],
             finished=True,
+        )
+
+    @staticmethod
+    def _delta(state: _RequestState) -> RequestOutput | None:
+        """An unfinished request's delta, or None when it has no new text to show. Tokens whose
+        text is not shown yet (an incomplete character, a held-back stop-string start) wait for
+        the next delta, so each delta's tokens and text stay together."""
+        end = len(state.text) - state.num_held_back_chars
+        if end <= state.num_sent_chars:
+            return None
+        return OutputProcessor._make_delta(state, end, None, None)
+
+    @staticmethod
+    def _make_delta(
+        state: _RequestState, end: int, finish_reason: str | None, stop_reason: Any
+    ) -> RequestOutput:
+        first_token = state.num_sent_tokens
+        completion = CompletionOutput(
+            index=state.index,
+            text=state.text[state.num_sent_chars : end],
+            token_ids=state.token_ids[first_token:],
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=None if state.logprobs is None else state.logprobs[first_token:],
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+        state.num_sent_chars, state.num_sent_tokens = end, len(state.token_ids)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[completion],
+            finished=finish_reason is not None,
         )
