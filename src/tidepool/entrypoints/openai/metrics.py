@@ -5,8 +5,11 @@ Names follow vLLM's `vllm:` style with a `tidepool:` prefix:
     tidepool:http_requests_total{route,status}          every answered HTTP request
     tidepool:http_request_duration_seconds{route}       latency histogram, per route
     tidepool:prompt_tokens_total{route}                 tokens the engine computed for each route
+    tidepool:generation_tokens_total{route}             tokens generated (completions, chat)
+    tidepool:time_to_first_token_seconds{route}         streamed generation: request → first text
     tidepool:num_requests_waiting                       requests queued in the scheduler
     tidepool:num_requests_unfinished                    requests in the engine (waiting or running)
+    tidepool:num_requests_running                       requests holding KV blocks (decoders)
     tidepool:step_num_requests / step_num_tokens / step_duration_seconds   per engine step
     tidepool:engine_steps_total, engine_step_failures_total, requests_aborted_total
 """
@@ -52,6 +55,12 @@ class _EngineCollector(Collector):
             "Requests handed to the engine and not finished (waiting or in the running step).",
             value=stats.num_unfinished_requests,
         )
+        yield GaugeMetricFamily(
+            "tidepool:num_requests_running",
+            "Requests running in the scheduler, holding KV-cache blocks (decoders; sampled "
+            "between engine steps).",
+            value=stats.num_running_requests,
+        )
         counters = (
             ("tidepool:engine_steps", "Engine steps run.", stats.num_steps),
             ("tidepool:engine_step_failures", "Engine steps that raised.", stats.num_failed_steps),
@@ -92,6 +101,19 @@ class ServerMetrics:
             "tidepool:prompt_tokens",
             "Prompt tokens computed, by route.",
             ["route"],
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "tidepool:generation_tokens",
+            "Tokens generated, by route (a stream cut short counts what it generated).",
+            ["route"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "tidepool:time_to_first_token_seconds",
+            "Streamed generation: from handing the request to the engine to its first text.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.step_num_requests = Histogram(

@@ -187,6 +187,168 @@ class RerankResponse(OpenAIBaseModel):
     results: list[RerankResult]
 
 
+# ---------------------------------------------------------------------- completions / chat
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    """Send a last chunk with `usage` (and empty `choices`) before [DONE]."""
+    continuous_usage_stats: bool | None = False
+    """Every chunk carries the usage so far (vLLM extension)."""
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    """None = 1.0."""
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    """Not supported: refused when not empty."""
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last N prompt tokens."""
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Any
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    max_tokens: int | None = 16
+    """None = up to the model's maximum length."""
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    """Not supported: refused when given."""
+    best_of: int | None = None
+    """Only best_of = n is accepted (vLLM V1 has no best_of either)."""
+    add_special_tokens: bool = True
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    """Deprecated by OpenAI in favour of max_completion_tokens; both accepted."""
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    """Not supported: refused when not empty."""
+    response_format: dict[str, Any] | None = None
+    """Only {"type": "text"} is accepted."""
+    chat_template: str | None = None
+    """A Jinja template that replaces the tokenizer's (vLLM extension)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    """The chat template writes the special tokens (BOS) itself."""
+
+
+class GenerationUsage(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    """"stop" or "length"; None in a stream chunk before the last."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the text; None for EOS and length."""
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: GenerationUsage | None = None
+    """Always set in a response; in a stream, only on the usage chunk(s)."""
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(OpenAIBaseModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: GenerationUsage
+
+
+class ChatCompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: dict[str, str]
+    """{"role": "assistant", "content": ""} first, then {"content": text}; {} when a last chunk
+    has no text."""
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: GenerationUsage | None = None
+
+
 # ---------------------------------------------------------------------- tokenize
 
 
@@ -194,7 +356,7 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None
-    """Chat messages: refused (the served models have no chat template)."""
+    """Chat messages, rendered with the chat template (a generating model's)."""
     add_special_tokens: bool = True
     return_token_strs: bool = False
 

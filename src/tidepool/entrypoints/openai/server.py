@@ -2,7 +2,8 @@
 
     client ─▶ metrics ─▶ api key (401) ─▶ body size (413) ─▶ route ─▶ OpenAIServing ─▶ AsyncEngine
 
-Routes and JSON mirror `vllm serve` for pooling models. Every error answers OpenAI's shape:
+Routes and JSON mirror `vllm serve`: pooling routes, and /v1/completions and /v1/chat/completions
+(JSON, or server-sent events with `stream`) on a generating model. Every error answers OpenAI's shape:
 {"error": {"message", "type", "param", "code"}} with `code` = the HTTP status, as vLLM does.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,6 +31,7 @@ from tidepool.engine.async_engine import AsyncEngine, EngineClosedError, EngineS
 from tidepool.entrypoints.openai import protocol as p
 from tidepool.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tidepool.entrypoints.openai.serving import ApiError, OpenAIServing, ServingLimits
+from tidepool.entrypoints.openai.serving_generate import OpenAIServingGeneration
 
 logger = logging.getLogger("tidepool")
 
@@ -206,6 +208,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs | argparse.Namespace | None 
     serving = OpenAIServing(engine, names, ServingLimits(args.max_inputs_per_request))
     metrics = ServerMetrics(engine)
     engine.add_step_listener(metrics.on_step)
+    generation = OpenAIServingGeneration(engine, serving, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -219,6 +222,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs | argparse.Namespace | None 
     app.state.metrics = metrics
     _add_exception_handlers(app)
     _add_routes(app, serving, metrics)
+    _add_generation_routes(app, generation)
     known_paths = {getattr(r, "path", "") for r in app.routes}
     # Added last = outermost: metrics sees the 401s and 413s of the inner layers.
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
@@ -266,14 +270,6 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) ->
     engine_route("/tokenize", serving.tokenize, p.TokenizeRequest)
     engine_route("/detokenize", serving.detokenize, p.DetokenizeRequest)
 
-    @app.post("/v1/completions")
-    async def completions(raw_request: Request) -> Response:
-        serving.refuse_generation(await _model_field(raw_request), "Completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(raw_request: Request) -> Response:
-        serving.refuse_generation(await _model_field(raw_request), "Chat Completions")
-
     @app.get("/v1/models")
     async def models() -> Response:
         return _json(serving.models())
@@ -293,13 +289,29 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) ->
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
 
-async def _model_field(request: Request) -> str | None:
-    try:
-        body = await request.json()
-    except ValueError:
-        return None
-    model = body.get("model") if isinstance(body, dict) else None
-    return model if isinstance(model, str) else None
+def _add_generation_routes(app: FastAPI, generation: OpenAIServingGeneration) -> None:
+    """JSON, or a text/event-stream when the body asks for `stream` (checks and tokenization
+    happen before the stream starts, so their errors keep their HTTP status)."""
+
+    async def answer(result: BaseModel | AsyncIterator[str]) -> Response:
+        if isinstance(result, BaseModel):
+            return _json(result)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, raw_request: Request) -> Response:
+        async def work() -> Response:
+            return await answer(await generation.completions(body))
+
+        return await serve_until_disconnect(raw_request, work())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, raw_request: Request) -> Response:
+        async def work() -> Response:
+            return await answer(await generation.chat(body))
+
+        return await serve_until_disconnect(raw_request, work())
 
 
 def _validation_message(exc: RequestValidationError) -> str:

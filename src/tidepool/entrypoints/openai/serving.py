@@ -10,7 +10,7 @@ import base64
 import math
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -405,21 +405,18 @@ class OpenAIServing:
             ]
         )
 
-    def refuse_generation(self, requested: str | None, api: str) -> NoReturn:
+    def check_generates(self, requested: str | None, api: str) -> str:
+        """The served name to answer with; 404 for an unknown name, 400 on a pooling model."""
         name = self.model_name(requested)
-        if self.model_config.task == "generate":
+        if not self.engine.can_generate:
             raise ApiError(
-                501,
-                f"The {api} API is not served yet: `tidepool serve` runs pooling routes only; "
-                f"generate with `{name}` offline through LLM.generate / LLM.chat",
+                400,
+                f"The model does not support the {api} API: `{name}` does not generate text "
+                f"(it is {self._model_kind()}); use /v1/embeddings, /pooling, /classify, /score "
+                "or /rerank",
+                "model",
             )
-        raise ApiError(
-            400,
-            f"The model `{name}` does not generate text, so the {api} API is not available: "
-            "tidepool serves pooling models here; use /v1/embeddings, /pooling, /classify, "
-            "/score or /rerank",
-            "model",
-        )
+        return name
 
 
 def _field_of(message: str, default: str) -> str:

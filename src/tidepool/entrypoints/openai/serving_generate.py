@@ -1,0 +1,561 @@
+"""/v1/completions and /v1/chat/completions: a request → SamplingParams → AsyncEngine.generate →
+OpenAI's JSON, or server-sent events when `stream` is set.
+
+    check (404 model, 400 content) → chat template (chat) → tokenize (tokenizer thread) →
+    prompt + max_tokens <= max_model_len (400 with both numbers) → n requests per prompt →
+    stream=false: each request's final output → one JSON answer
+    stream=true:  a chunk per choice and engine step with the new text → usage chunk → [DONE]
+
+Choice index = prompt index × n + completion index, as vLLM numbers them. A client that goes away
+cancels the task reading the GenerationStream, which aborts its requests in the engine. An error
+after the stream has started is sent as an event ({"error": {...}}), then [DONE].
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pydantic import BaseModel
+
+from tidepool.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from tidepool.engine.generation_stream import GenerationInput, GenerationStream
+from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai.metrics import ServerMetrics
+from tidepool.entrypoints.openai.serving import (
+    ApiError,
+    OpenAIServing,
+    _format_batch_error,
+    parse_prompts,
+)
+from tidepool.outputs import BatchInputError, CompletionOutput, Logprob, RequestError
+from tidepool.params import SamplingParams
+
+logger = logging.getLogger("tidepool")
+
+SSE_DONE = "data: [DONE]\n\n"
+MAX_LOGPROBS = 20
+"""Most alternatives per position a request may ask for (vLLM's default --max-logprobs)."""
+COMPLETIONS_ROUTE = "/v1/completions"
+CHAT_ROUTE = "/v1/chat/completions"
+
+
+def sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+@dataclass
+class _Prepared:
+    """A checked request, tokenized, ready to hand to the engine."""
+
+    model: str
+    inputs: list[GenerationInput]
+    """One per choice, in choice order."""
+    num_prompt_tokens: int
+    """Each prompt counted once, whatever n (as vLLM's usage)."""
+    n: int
+
+
+@dataclass
+class _Usage:
+    """Token counts of one request, kept while it streams (partial on a disconnect)."""
+
+    num_prompt_tokens: int
+    num_completion_tokens: int = 0
+
+    def info(self) -> p.GenerationUsage:
+        return p.GenerationUsage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_completion_tokens,
+            total_tokens=self.num_prompt_tokens + self.num_completion_tokens,
+        )
+
+
+class OpenAIServingGeneration:
+    def __init__(
+        self, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics | None = None
+    ) -> None:
+        self.engine = engine
+        self.serving = serving
+        self.metrics = metrics
+        self.max_model_len = engine.model_config.max_model_len
+
+    # ------------------------------------------------------------------ completions
+
+    async def completions(
+        self, req: p.CompletionRequest
+    ) -> p.CompletionResponse | AsyncIterator[str]:
+        model = self.serving.check_generates(req.model, "Completions")
+        if req.suffix is not None:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(400, "best_of is not supported (only best_of = n)", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise ApiError(
+                400, "echo with logprobs needs prompt logprobs, which are not computed", "echo"
+            )
+        prompts = parse_prompts(req.prompt, "prompt")
+        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        prep = await self._prepare(model, prompts, params, req.add_special_tokens, "prompt")
+        echo_texts = await self._echo_texts(prompts, prep) if req.echo else None
+        if req.stream:
+            return self._completion_events(req, prep, echo_texts)
+        finals = await self._collect(self.engine.generate(prep.inputs, stream=False))
+        usage = _Usage(prep.num_prompt_tokens)
+        choices = []
+        for index, completion in enumerate(finals):
+            prefix = echo_texts[index // prep.n] if echo_texts else ""
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs, _ = completion_logprobs(completion, len(prefix))
+            choices.append(
+                p.CompletionResponseChoice(
+                    index=index,
+                    text=prefix + completion.text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            )
+            usage.num_completion_tokens += len(completion.token_ids)
+        self._record(COMPLETIONS_ROUTE, usage)
+        return p.CompletionResponse(model=model, choices=choices, usage=usage.info())
+
+    async def _completion_events(
+        self, req: p.CompletionRequest, prep: _Prepared, echo_texts: list[str] | None
+    ) -> AsyncIterator[str]:
+        chunk_id, created = p.random_id("cmpl"), int(time.time())
+        usage = _Usage(prep.num_prompt_tokens)
+        text_offsets = [0] * len(prep.inputs)
+        echoed: set[int] = set()
+        continuous = _wants(req, "continuous_usage_stats")
+        failed = False
+
+        def chunk(choices: list[p.CompletionResponseChoice], with_usage: bool) -> str:
+            body = p.CompletionResponse(
+                id=chunk_id,
+                created=created,
+                model=prep.model,
+                choices=choices,
+                usage=usage.info() if with_usage else None,
+            )
+            return sse(body)
+
+        async for outputs in self._stream(COMPLETIONS_ROUTE, prep, usage):
+            if isinstance(outputs, str):  # an error event, the stream's last item
+                yield outputs
+                failed = True
+                continue
+            for completion in outputs:
+                index = completion.index
+                text = completion.text
+                if echo_texts and index not in echoed:  # the prompt goes before the first text
+                    echoed.add(index)
+                    text = echo_texts[index // prep.n] + text
+                logprobs = None
+                if completion.logprobs is not None:
+                    logprobs, text_offsets[index] = completion_logprobs(
+                        completion, text_offsets[index]
+                    )
+                else:
+                    text_offsets[index] += len(text)
+                choice = p.CompletionResponseChoice(
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+                yield chunk([choice], continuous)
+        if not failed and _wants(req, "include_usage"):
+            yield chunk([], True)
+        yield SSE_DONE
+
+    # ------------------------------------------------------------------ chat
+
+    async def chat(
+        self, req: p.ChatCompletionRequest
+    ) -> p.ChatCompletionResponse | AsyncIterator[str]:
+        model = self.serving.check_generates(req.model, "Chat Completions")
+        if req.tools:
+            raise ApiError(400, "tools are not supported", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise ApiError(
+                400,
+                "response_format other than {'type': 'text'} is not supported",
+                "response_format",
+            )
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = req.max_tokens
+        params = self._sampling_params(req, max_tokens, num_logprobs)
+        prompt = await self._render_chat(req)
+        prep = await self._prepare(model, [prompt], params, req.add_special_tokens, "messages")
+        if req.stream:
+            return self._chat_events(req, prep, num_logprobs)
+        finals = await self._collect(self.engine.generate(prep.inputs, stream=False))
+        usage = _Usage(prep.num_prompt_tokens)
+        choices = []
+        for index, completion in enumerate(finals):
+            logprobs = None
+            if num_logprobs is not None and completion.logprobs is not None:
+                logprobs = chat_logprobs(completion, num_logprobs)
+            choices.append(
+                p.ChatCompletionResponseChoice(
+                    index=index,
+                    message=p.ChatMessage(role="assistant", content=completion.text),
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            )
+            usage.num_completion_tokens += len(completion.token_ids)
+        self._record(CHAT_ROUTE, usage)
+        return p.ChatCompletionResponse(model=model, choices=choices, usage=usage.info())
+
+    async def _chat_events(
+        self, req: p.ChatCompletionRequest, prep: _Prepared, num_logprobs: int | None
+    ) -> AsyncIterator[str]:
+        chunk_id, created = p.random_id("chatcmpl"), int(time.time())
+        usage = _Usage(prep.num_prompt_tokens)
+        continuous = _wants(req, "continuous_usage_stats")
+        failed = False
+
+        def chunk(choices: list[p.ChatCompletionStreamChoice], with_usage: bool) -> str:
+            body = p.ChatCompletionStreamResponse(
+                id=chunk_id,
+                created=created,
+                model=prep.model,
+                choices=choices,
+                usage=usage.info() if with_usage else None,
+            )
+            return sse(body)
+
+        for index in range(len(prep.inputs)):
+            role = {"role": "assistant", "content": ""}
+            yield chunk([p.ChatCompletionStreamChoice(index=index, delta=role)], continuous)
+        async for outputs in self._stream(CHAT_ROUTE, prep, usage):
+            if isinstance(outputs, str):  # an error event, the stream's last item
+                yield outputs
+                failed = True
+                continue
+            for completion in outputs:
+                logprobs = None
+                if num_logprobs is not None and completion.logprobs is not None:
+                    logprobs = chat_logprobs(completion, num_logprobs)
+                choice = p.ChatCompletionStreamChoice(
+                    index=completion.index,
+                    delta={"content": completion.text} if completion.text else {},
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+                yield chunk([choice], continuous)
+        if not failed and _wants(req, "include_usage"):
+            yield chunk([], True)
+        yield SSE_DONE
+
+    async def _render_chat(self, req: p.ChatCompletionRequest) -> str:
+        messages = check_messages(req.messages)
+        tokenizer = self.engine.tokenizer
+        if req.chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ApiError(
+                400,
+                "The model's tokenizer has no chat template, so the messages cannot be turned "
+                "into a prompt: pass a Jinja template as `chat_template` in the request, or use "
+                "/v1/completions with a prompt",
+                "messages",
+            )
+
+        def render() -> str:
+            return tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                chat_template=req.chat_template,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}),
+            )
+
+        try:
+            prompt = await self.engine.run_in_tokenizer(render)
+        except Exception as e:  # jinja2 errors, transformers' ValueErrors, bad kwargs
+            raise ApiError(
+                400,
+                f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                "messages",
+            ) from e
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "the chat template rendered an empty prompt", "messages")
+        return prompt
+
+    # ------------------------------------------------------------------ shared
+
+    def _sampling_params(
+        self, req: p.SamplingRequest, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        if req.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", "logit_bias")
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise ApiError(
+                400, f"at most {MAX_LOGPROBS} logprobs per position, got {logprobs}", "logprobs"
+            )
+        fields: dict[str, Any] = dict(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+        )
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            raise ApiError(400, str(e), _param_of(str(e), fields)) from e
+
+    async def _prepare(
+        self,
+        model: str,
+        prompts: list[Any],
+        params: SamplingParams,
+        add_special_tokens: bool,
+        param: str,
+    ) -> _Prepared:
+        """Tokenize, check lengths, and make n requests per prompt (a seed gives completion k
+        the seed + k, as offline)."""
+        num_choices = params.n
+        self.serving._check_count(len(prompts) * num_choices, param)
+        child_prompts = [prompt for prompt in prompts for _ in range(num_choices)]
+        child_params = [
+            params
+            if num_choices == 1
+            else replace(params, n=1, seed=None if params.seed is None else params.seed + k)
+            for _ in prompts
+            for k in range(num_choices)
+        ]
+        try:
+            requests = await self.engine.process_generate(
+                child_prompts, child_params, add_special_tokens
+            )
+        except BatchInputError as e:
+            by_prompt = {err.index // num_choices: err.message for err in e.errors}
+            errors = [RequestError(i, message) for i, message in sorted(by_prompt.items())]
+            raise ApiError(400, _format_batch_error(BatchInputError(errors), param), param) from e
+        inputs = []
+        num_prompt_tokens = 0
+        for index, request in enumerate(requests):
+            self._fit_max_tokens(request, param)
+            if index % num_choices == 0:
+                num_prompt_tokens += request.num_prompt_tokens
+            prompt = child_prompts[index]
+            inputs.append(
+                GenerationInput(request, prompt if isinstance(prompt, str) else None, index)
+            )
+        return _Prepared(model, inputs, num_prompt_tokens, num_choices)
+
+    def _fit_max_tokens(self, request: Any, param: str) -> None:
+        """400 when the prompt and max_tokens do not fit in max_model_len; max_tokens None = the
+        room left."""
+        params: SamplingParams = request.sampling_params
+        num_prompt_tokens = request.num_prompt_tokens
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is None and room >= 1:
+            request.sampling_params = replace(params, max_tokens=room)
+            return
+        num_completion_tokens = params.max_tokens or 1
+        if num_completion_tokens > room:
+            where = "messages" if param == "messages" else "prompt"
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + num_completion_tokens} tokens "
+                f"({num_prompt_tokens} in the {where}, {num_completion_tokens} in the "
+                f"completion). Please reduce the length of the {where} or max_tokens.",
+                "max_tokens",
+            )
+
+    async def _echo_texts(self, prompts: list[Any], prep: _Prepared) -> list[str]:
+        """The prompt text of each prompt: as given, or decoded from its token ids."""
+        tokenizer = self.engine.tokenizer
+        token_ids = [prep.inputs[i * prep.n].request.prompt_token_ids for i in range(len(prompts))]
+
+        def decode() -> list[str]:
+            return [
+                prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+                for prompt, ids in zip(prompts, token_ids, strict=True)
+            ]
+
+        return await self.engine.run_in_tokenizer(decode)
+
+    async def _collect(self, stream: GenerationStream) -> list[CompletionOutput]:
+        """Each choice's final output, in choice order (cancelling aborts the requests)."""
+        finals: dict[int, CompletionOutput] = {}
+        try:
+            async for outputs in stream:
+                for out in outputs:
+                    finals[out.outputs[0].index] = out.outputs[0]
+        except BatchInputError as e:  # the engine refused the parameters for this model
+            raise ApiError(400, str(e)) from e
+        finally:
+            stream.abort()
+        return [finals[i] for i in sorted(finals)]
+
+    async def _stream(
+        self, route: str, prep: _Prepared, usage: _Usage
+    ) -> AsyncIterator[list[CompletionOutput] | str]:
+        """The deltas of each step, or (last) an error event; counts tokens as they come."""
+        stream: GenerationStream | None = None
+        start = time.perf_counter()
+        first = True
+        try:
+            stream = self.engine.generate(prep.inputs, stream=True)
+            async for outputs in stream:
+                if first and self.metrics is not None:
+                    self.metrics.time_to_first_token.labels(route).observe(
+                        time.perf_counter() - start
+                    )
+                first = False
+                deltas = [out.outputs[0] for out in outputs]
+                usage.num_completion_tokens += sum(len(d.token_ids) for d in deltas)
+                yield deltas
+        except Exception as exc:  # after the 200 went out: report in the stream itself
+            yield error_event(exc)
+        finally:
+            if stream is not None:
+                stream.abort()  # nothing if it ended; a client gone → abort in the engine
+            self._record(route, usage)
+
+    def _record(self, route: str, usage: _Usage) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.prompt_tokens.labels(route).inc(usage.num_prompt_tokens)
+        self.metrics.generation_tokens.labels(route).inc(usage.num_completion_tokens)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _wants(req: p.SamplingRequest, option: str) -> bool:
+    return bool(req.stream_options is not None and getattr(req.stream_options, option))
+
+
+def _param_of(message: str, fields: dict[str, Any]) -> str | None:
+    name = message.split(" ", 1)[0]
+    return name if name in fields else None
+
+
+def error_event(exc: Exception) -> str:
+    """An error inside a started stream: OpenAI's error JSON as one event (vLLM does the same)."""
+    if isinstance(exc, ApiError):
+        status, message = exc.status, exc.message
+    elif isinstance(exc, EngineClosedError):
+        status, message = 503, str(exc)
+    elif isinstance(exc, EngineStepError):
+        status, message = 500, str(exc)
+    elif isinstance(exc, BatchInputError):
+        status, message = 400, str(exc)
+    else:
+        logger.exception("unhandled error in a stream", exc_info=exc)
+        status, message = 500, f"internal server error: {type(exc).__name__}: {exc}"
+    from tidepool.entrypoints.openai.server import ERROR_TYPES
+
+    error = p.ErrorInfo(message=message, type=ERROR_TYPES.get(status, "Error"), code=status)
+    return sse(p.ErrorResponse(error=error))
+
+
+def check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages for the template: a role each, content a string (text parts joined)."""
+    if not messages:
+        raise ApiError(400, "messages is an empty list: give at least one message", "messages")
+    checked = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ApiError(400, f"messages[{i}] has no 'role' (a string)", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ApiError(
+                        400,
+                        f"messages[{i}].content has a part of type {kind!r}; only text parts "
+                        "are supported",
+                        "messages",
+                    )
+                texts.append(str(part.get("text", "")))
+            content = "\n".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(
+                400,
+                f"messages[{i}].content must be a string or a list of text parts",
+                "messages",
+            )
+        checked.append({**message, "content": content})
+    return checked
+
+
+def completion_logprobs(
+    completion: CompletionOutput, text_offset: int
+) -> tuple[p.CompletionLogProbs, int]:
+    """The legacy completions logprobs of a completion (or a delta), and the text offset after."""
+    result = p.CompletionLogProbs()
+    for token_id, position in zip(completion.token_ids, completion.logprobs or (), strict=False):
+        sampled = position.get(token_id)
+        token = _token_text(sampled)
+        result.tokens.append(token)
+        result.token_logprobs.append(sampled.logprob if sampled is not None else None)
+        result.top_logprobs.append(
+            {_token_text(lp): lp.logprob for lp in sorted(position.values(), key=_rank)}
+        )
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result, text_offset
+
+
+def chat_logprobs(completion: CompletionOutput, num_top: int) -> p.ChatChoiceLogProbs:
+    content = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs or (), strict=False):
+        sampled = position.get(token_id)
+        if sampled is None:
+            continue
+        tops = [lp for lp in sorted(position.values(), key=_rank) if lp.rank <= num_top]
+        content.append(
+            p.ChatLogProbsContent(
+                **_chat_logprob(sampled),
+                top_logprobs=[p.ChatLogProb(**_chat_logprob(lp)) for lp in tops[:num_top]],
+            )
+        )
+    return p.ChatChoiceLogProbs(content=content)
+
+
+def _chat_logprob(lp: Logprob) -> dict[str, Any]:
+    token = _token_text(lp)
+    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _token_text(lp: Logprob | None) -> str:
+    return "" if lp is None or lp.decoded_token is None else lp.decoded_token
+
+
+def _rank(lp: Logprob) -> int:
+    return lp.rank
