@@ -305,6 +305,14 @@ def test_chat_text_parts_and_logprobs(client) -> None:
     assert all(item.logprob == pytest.approx(item.top_logprobs[0].logprob) for item in content)
 
 
+def test_tokenize_messages(http: httpx.Client, offline: LLM) -> None:
+    tokenizer = offline.get_tokenizer()
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    response = http.post("/tokenize", json={"messages": MESSAGES})
+    assert response.status_code == 200, response.text
+    assert response.json()["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 # ---------------------------------------------------------------------- concurrency
 
 

@@ -352,20 +352,60 @@ class OpenAIServing:
         scores = [s if math.isfinite(s) else 0.0 for s in scores]
         return scores, sum(len(o.prompt_token_ids) for o in outputs)
 
+    async def render_chat(
+        self,
+        messages: list[Any],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """Chat messages → the prompt text, by the tokenizer's chat template (or `chat_template`)."""
+        messages = check_messages(messages)
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ApiError(
+                400,
+                "The model's tokenizer has no chat template, so the messages cannot be turned "
+                "into a prompt: pass a Jinja template as `chat_template` in the request, or send "
+                "a prompt instead",
+                "messages",
+            )
+
+        def render() -> str:
+            return tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+
+        try:
+            prompt = await self.engine.run_in_tokenizer(render)
+        except Exception as e:  # jinja2 errors, transformers' ValueErrors, bad kwargs
+            message = f"the chat template failed on these messages: {type(e).__name__}: {e}"
+            raise ApiError(400, message, "messages") from e
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "the chat template rendered an empty prompt", "messages")
+        return prompt
+
     # ------------------------------------------------------------------ tokenize
 
     async def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
         self.model_name(req.model)
+        add_special_tokens = req.add_special_tokens
+        prompt = req.prompt
         if req.messages is not None:
-            raise ApiError(
-                400, "chat messages need a chat template; this model has none", "messages"
-            )
-        if req.prompt is None:
-            raise ApiError(400, "give 'prompt' (a string) to tokenize", "prompt")
+            prompt = await self.render_chat(req.messages)
+            add_special_tokens = False  # the template writes them (as in /v1/chat/completions)
+        if prompt is None:
+            raise ApiError(400, "give 'prompt' (a string) or 'messages' to tokenize", "prompt")
         tokenizer = self.engine.tokenizer
 
         def run() -> tuple[list[int], list[str] | None]:
-            ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+            ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
             return ids, tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
 
         ids, strs = await self.engine.run_in_tokenizer(run)
@@ -417,6 +457,41 @@ class OpenAIServing:
                 "model",
             )
         return name
+
+
+def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Chat messages for the template: a role each, content a string (text parts joined)."""
+    if not messages:
+        raise ApiError(400, "messages is an empty list: give at least one message", "messages")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ApiError(400, f"messages[{i}] is not an object", "messages")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ApiError(400, f"messages[{i}] has no 'role' (a string)", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ApiError(
+                        400,
+                        f"messages[{i}].content has a part of type {kind!r}; only text parts "
+                        "are supported",
+                        "messages",
+                    )
+                texts.append(str(part.get("text", "")))
+            content = "\n".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(
+                400,
+                f"messages[{i}].content must be a string or a list of text parts",
+                "messages",
+            )
+        checked.append({**message, "content": content})
+    return checked
 
 
 def _field_of(message: str, default: str) -> str:

@@ -195,7 +195,13 @@ class OpenAIServingGeneration:
         if max_tokens is None:
             max_tokens = req.max_tokens
         params = self._sampling_params(req, max_tokens, num_logprobs)
-        prompt = await self._render_chat(req)
+        prompt = await self.serving.render_chat(
+            req.messages,
+            req.chat_template,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+        )
         prep = await self._prepare(model, [prompt], params, req.add_special_tokens, "messages")
         if req.stream:
             return self._chat_events(req, prep, num_logprobs)
@@ -260,40 +266,6 @@ class OpenAIServingGeneration:
         if not failed and _wants(req, "include_usage"):
             yield chunk([], True)
         yield SSE_DONE
-
-    async def _render_chat(self, req: p.ChatCompletionRequest) -> str:
-        messages = check_messages(req.messages)
-        tokenizer = self.engine.tokenizer
-        if req.chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ApiError(
-                400,
-                "The model's tokenizer has no chat template, so the messages cannot be turned "
-                "into a prompt: pass a Jinja template as `chat_template` in the request, or use "
-                "/v1/completions with a prompt",
-                "messages",
-            )
-
-        def render() -> str:
-            return tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                chat_template=req.chat_template,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                **(req.chat_template_kwargs or {}),
-            )
-
-        try:
-            prompt = await self.engine.run_in_tokenizer(render)
-        except Exception as e:  # jinja2 errors, transformers' ValueErrors, bad kwargs
-            raise ApiError(
-                400,
-                f"the chat template failed on these messages: {type(e).__name__}: {e}",
-                "messages",
-            ) from e
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "the chat template rendered an empty prompt", "messages")
-        return prompt
 
     # ------------------------------------------------------------------ shared
 
@@ -479,39 +451,6 @@ def error_event(exc: Exception) -> str:
 
     error = p.ErrorInfo(message=message, type=ERROR_TYPES.get(status, "Error"), code=status)
     return sse(p.ErrorResponse(error=error))
-
-
-def check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Chat messages for the template: a role each, content a string (text parts joined)."""
-    if not messages:
-        raise ApiError(400, "messages is an empty list: give at least one message", "messages")
-    checked = []
-    for i, message in enumerate(messages):
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise ApiError(400, f"messages[{i}] has no 'role' (a string)", "messages")
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ApiError(
-                        400,
-                        f"messages[{i}].content has a part of type {kind!r}; only text parts "
-                        "are supported",
-                        "messages",
-                    )
-                texts.append(str(part.get("text", "")))
-            content = "\n".join(texts)
-        elif content is not None and not isinstance(content, str):
-            raise ApiError(
-                400,
-                f"messages[{i}].content must be a string or a list of text parts",
-                "messages",
-            )
-        checked.append({**message, "content": content})
-    return checked
 
 
 def completion_logprobs(
