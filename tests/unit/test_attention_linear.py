@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tidepool.attention import torch_backend
-from tidepool.attention.metadata import build_encoder_metadata
+from tidepool.attention.metadata import build_encoder_metadata, pad_buckets
 from tidepool.models.layers.linear import Linear
 
 
@@ -64,6 +64,31 @@ def test_attention_never_crosses_sequences():
     other = torch_backend.encoder_attention(qkv2, meta, 0.3)
     assert torch.equal(base[:20], other[:20]) and torch.equal(base[39:], other[39:])
     assert not torch.allclose(base[20:39], other[20:39])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_padded_layout_attention_matches_packed(dtype, tol):
+    """The encoders' padded layout: ids spread into bucket slots, attention on plain slices,
+    outputs gathered back — equal to per-sequence attention on the packed tokens."""
+    torch.manual_seed(0)
+    seq_lens = [57, 55, 50, 31, 30, 12, 12, 12, 5, 1]
+    heads, head_dim = 4, 16
+    qkv = torch.randn(sum(seq_lens), 3, heads, head_dim).to(dtype)
+    meta = build_encoder_metadata(seq_lens, torch.device("cpu"), num_heads=heads)
+    layout = pad_buckets(meta)
+    assert not layout.is_packed
+    slots = layout.metadata.num_tokens
+    # 57+55+50 → 3x57, 31+30 → 2x31, 12x3, 5, 1: the padding is only what the buckets add.
+    assert slots == 3 * 57 + 2 * 31 + 3 * 12 + 5 + 1
+    assert torch.equal(layout.token_index[layout.slot_of_token], torch.arange(sum(seq_lens)))
+    assert all(b.gather_index is None for b in layout.metadata.buckets)
+    out = torch_backend.encoder_attention(
+        qkv[layout.token_index], layout.metadata, head_dim**-0.5
+    ).index_select(0, layout.slot_of_token)
+    ref = _reference_attention(qkv, seq_lens, head_dim**-0.5)
+    assert (out.float() - ref).abs().max().item() < tol
+    packed = pad_buckets(build_encoder_metadata([9, 9, 4], torch.device("cpu"), num_heads=heads))
+    assert packed.is_packed  # no bucket pads: nothing to gather
 
 
 # The residual is fused only into layers without an activation (as BERT uses them).

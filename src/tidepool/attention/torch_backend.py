@@ -21,18 +21,30 @@ def encoder_attention(
 ) -> torch.Tensor:
     """qkv: [num_tokens, 3, num_heads, head_dim] → [num_tokens, num_heads * head_dim].
 
-    Each sequence attends to itself only (cu_seqlens), in both directions.
+    Each sequence attends to itself only (cu_seqlens), in both directions. On the padded layout
+    (metadata.pad_buckets) every bucket is a plain slice and padding slots' outputs are garbage
+    that nobody reads.
     """
     num_tokens, _, num_heads, head_dim = qkv.shape
-    if len(meta.buckets) == 1:
-        return _attend_bucket(qkv, meta.buckets[0], scale)
+    if len(meta.buckets) == 1 and meta.buckets[0].valid_slots is None:
+        o = _attend_bucket(qkv, meta.buckets[0], scale)
+        return o.transpose(1, 2).reshape(num_tokens, num_heads * head_dim)
     out = qkv.new_empty(num_tokens, num_heads * head_dim)
     for bucket in meta.buckets:
-        out[bucket.start : bucket.end] = _attend_bucket(qkv, bucket, scale)
+        o = _attend_bucket(qkv, bucket, scale)  # [num_seqs, H, max_len, D]
+        if bucket.valid_slots is None:
+            # One copy, straight into the output rows: [num_seqs, max_len, H, D] ← o^T.
+            out[bucket.start : bucket.end].view(
+                bucket.num_seqs, bucket.max_len, num_heads, head_dim
+            ).copy_(o.transpose(1, 2))
+        else:
+            rows = o.transpose(1, 2).reshape(bucket.num_seqs * bucket.max_len, -1)
+            out[bucket.start : bucket.end] = rows.index_select(0, bucket.valid_slots)
     return out
 
 
 def _attend_bucket(qkv: torch.Tensor, bucket: AttentionBucket, scale: float) -> torch.Tensor:
+    """One bucket as a padded batch → [num_seqs, H, max_len, D]."""
     _, _, num_heads, head_dim = qkv.shape
     num_seqs, max_len = bucket.num_seqs, bucket.max_len
     if bucket.gather_index is None:
@@ -42,9 +54,4 @@ def _attend_bucket(qkv: torch.Tensor, bucket: AttentionBucket, scale: float) -> 
     # [num_seqs * max_len, 3, H, D] → [3, num_seqs, H, max_len, D]
     qkv_heads = padded.view(num_seqs, max_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv_heads.unbind(0)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.key_mask, scale=scale)
-    # o: [num_seqs, H, max_len, D] → [num_seqs * max_len, H * D]
-    o = o.transpose(1, 2).reshape(num_seqs * max_len, num_heads * head_dim)
-    if bucket.valid_slots is not None:
-        o = o.index_select(0, bucket.valid_slots)
-    return o
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.key_mask, scale=scale)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tidepool.attention.metadata import EncoderAttentionMetadata
+from tidepool.attention.metadata import EncoderAttentionMetadata, pad_buckets
 from tidepool.attention.torch_backend import encoder_attention
 from tidepool.models.layers.linear import Linear
 
@@ -149,7 +149,17 @@ class BertModel(nn.Module):
         attn_metadata: EncoderAttentionMetadata,
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.encoder(self.embeddings(input_ids, positions, token_type_ids), attn_metadata)
+        # The layers run on the padded layout (attention/metadata.py): ids in, hidden states out.
+        layout = pad_buckets(attn_metadata)
+        if layout.is_packed:
+            return self.encoder(
+                self.embeddings(input_ids, positions, token_type_ids), attn_metadata
+            )
+        slots = layout.token_index
+        if token_type_ids is not None:
+            token_type_ids = token_type_ids[slots]
+        x = self.embeddings(input_ids[slots], positions[slots], token_type_ids)
+        return self.encoder(x, layout.metadata).index_select(0, layout.slot_of_token)
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → our parameter name; None = not ours (skipped)."""

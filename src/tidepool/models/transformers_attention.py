@@ -44,60 +44,6 @@ class UnsupportedAttentionError(NotImplementedError):
     """The model asks for an attention feature that tidepool's attention does not implement."""
 
 
-@dataclass(frozen=True)
-class PaddedLayout:
-    """The step's tokens laid out bucket by bucket in padded form ([num_seqs, max_len] each).
-
-    The encoder runs on this layout, not the packed one: HF computes q, k and v in three tensors,
-    and gathering each into padded form in every layer cost more than the padding itself (three
-    gathers of rows of num_heads * head_dim per layer, measured 3x the native model's one fused
-    gather); padding the token ids once costs a few padded rows of GEMM (the buckets' padding is
-    under max_pad_fraction) and one gather of the final hidden states. Worked example, lengths
-    (7, 6) in one bucket: 14 slots, slot 13 repeats token 7 (c's first) and is masked as a key.
-    """
-
-    token_index: torch.Tensor
-    """[num_slots] the packed token each slot holds (padding slots repeat a real token)."""
-    slot_of_token: torch.Tensor
-    """[num_tokens] the slot each packed token went to (to gather the outputs back)."""
-    metadata: EncoderAttentionMetadata
-    """Buckets over the slots: plain slices with the original key masks, nothing to gather."""
-
-
-def pad_buckets(meta: EncoderAttentionMetadata) -> PaddedLayout:
-    token_index: list[torch.Tensor] = []
-    slot_of_token: list[torch.Tensor] = []
-    buckets: list[AttentionBucket] = []
-    offset = 0
-    for bucket in meta.buckets:
-        num_slots = bucket.num_seqs * bucket.max_len
-        if bucket.gather_index is None:
-            token_index.append(
-                torch.arange(bucket.start, bucket.end, device=meta.cu_seqlens.device)
-            )
-            slot_of_token.append(
-                torch.arange(offset, offset + num_slots, device=meta.cu_seqlens.device)
-            )
-        else:
-            assert bucket.valid_slots is not None
-            token_index.append(bucket.gather_index)
-            slot_of_token.append(bucket.valid_slots + offset)
-        buckets.append(
-            AttentionBucket(
-                offset,
-                offset + num_slots,
-                bucket.num_seqs,
-                bucket.max_len,
-                None,
-                bucket.key_mask,
-                None,
-            )
-        )
-        offset += num_slots
-    padded = EncoderAttentionMetadata(offset, meta.seq_lens, meta.cu_seqlens, buckets)
-    return PaddedLayout(torch.cat(token_index), torch.cat(slot_of_token), padded)
-
-
 @dataclass
 class EncoderStep:
     """One encoder step: bidirectional attention inside each packed sequence."""

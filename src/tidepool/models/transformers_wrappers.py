@@ -22,6 +22,7 @@ from torch import nn
 
 from tidepool.config import ModelConfig
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from tidepool.attention.metadata import pad_buckets
 from tidepool.models.transformers_attention import (
     STEP_KWARG,
     DecoderStep,
@@ -29,7 +30,6 @@ from tidepool.models.transformers_attention import (
     ObservedLayer,
     ProbeStep,
     UnsupportedAttentionError,
-    pad_buckets,
 )
 
 
