@@ -13,6 +13,11 @@ Causal models (a KVCacheManager is given) follow vLLM's V1 policy. Every request
     2. then waiting requests, FCFS (unless someone was preempted this step): a prefix-cache
        lookup gives the tokens it may skip, then blocks for the rest (or the first chunk of it).
 
+A prefill chunk whose blocks do not fit runs shorter (block-aligned) instead, when the blocks the
+request keeps after all its tokens would fit: that only happens with sliding-window groups, which
+hold a chunk's blocks for one step and then only the window's (see _num_prefill_tokens_that_fit).
+After each step, blocks that left a window are freed at once (KVCacheManager.remove_skipped_blocks).
+
 A generating request samples a token whenever its scheduled tokens reach its end; a pooling
 request finishes when its last prompt token has run.
 """
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 
 from tidepool.config import SchedulerConfig
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
-from tidepool.kv_cache.manager import KVCacheManager
+from tidepool.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from tidepool.outputs import EngineCoreOutput, Logprob, PoolingOutput, PoolingRequestOutput
 from tidepool.request import Request, RequestStatus
 
@@ -161,6 +166,10 @@ class Scheduler:
                 index += 1
                 continue
             while (new_blocks := kv.allocate_slots(request, num_new_tokens)) is None:
+                num_fitting = self._num_prefill_tokens_that_fit(request, num_new_tokens)
+                if 0 < num_fitting < num_new_tokens:  # a shorter chunk, not a preemption
+                    num_new_tokens = num_fitting
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 num_preempted += 1
@@ -187,9 +196,14 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new_tokens = budget
-            new_blocks = kv.allocate_slots(
-                request, num_new_tokens, hit.blocks if hit is not None else None
-            )
+            hit_blocks = hit.blocks if hit is not None else None
+            new_blocks = kv.allocate_slots(request, num_new_tokens, hit_blocks)
+            if new_blocks is None:
+                num_new_tokens = self._num_prefill_tokens_that_fit(
+                    request, num_new_tokens, hit_blocks
+                )
+                if num_new_tokens > 0:
+                    new_blocks = kv.allocate_slots(request, num_new_tokens, hit_blocks)
             if new_blocks is None:
                 break  # not enough free blocks: wait for running requests to finish
             self.waiting.popleft()
@@ -199,6 +213,28 @@ class Scheduler:
             out.restarted_req_ids.add(request.request_id)
             self._add_scheduled(out, request, num_new_tokens, kv.get_block_ids(request.request_id))
             budget -= num_new_tokens
+
+    def _num_prefill_tokens_that_fit(
+        self, request: Request, num_new_tokens: int, hit_blocks: KVCacheBlocks | None = None
+    ) -> int:
+        """A prefill chunk whose blocks do not fit: how much of it to run instead (0: none).
+
+        A shorter chunk runs only when the request's blocks after all its tokens would fit. With
+        full attention only, that is the whole remaining prompt, which then fits as one chunk:
+        nothing changes. A sliding-window group keeps a chunk's blocks for one step and then only
+        the window's, so a hybrid model admits a long prompt chunk by chunk (worked example:
+        window 128, block 16, prompt 1,024: whole, it needs 64 + 64 blocks at once; afterwards it
+        keeps 64 + 9). vLLM runs a chunk whole or not at all.
+        """
+        kv = self.kv_cache_manager
+        assert kv is not None
+        if num_new_tokens <= 1 or not self.config.enable_chunked_prefill:
+            return 0
+        num_to_hold = kv.get_num_blocks_to_hold(request.num_tokens)
+        num_held = kv.get_num_blocks_held(request.request_id)
+        if num_to_hold > kv.get_num_free_blocks() + num_held:
+            return 0
+        return kv.get_num_new_tokens_that_fit(request, num_new_tokens, hit_blocks)
 
     def _add_scheduled(
         self,
@@ -233,6 +269,7 @@ class Scheduler:
                 continue  # aborted between schedule() and now: drop the result
             computed_before = request.num_computed_tokens
             request.num_computed_tokens += num_new_tokens
+            self.kv_cache_manager.remove_skipped_blocks(request)
             if computed_before < request.num_prompt_tokens <= request.num_computed_tokens:
                 if not request.output_token_ids:  # not a recompute after preemption
                     self.stats.num_prompt_tokens += request.num_prompt_tokens

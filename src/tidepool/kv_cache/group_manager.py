@@ -95,6 +95,10 @@ class SingleTypeManager(ABC):
         self._num_cached_blocks.pop(request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def get_num_blocks_to_hold(self, num_tokens: int) -> int:
+        """Blocks a request keeps once `num_tokens` tokens are computed (and skipped ones dropped)."""
+        return _cdiv(num_tokens, self.block_size)
+
     @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
@@ -170,10 +174,16 @@ class SlidingWindowManager(SingleTypeManager):
         # No run long enough; a shorter run starting at block 0 still counts (nothing before it).
         return hit[:num_contiguous]
 
+    def _num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no token at position >= num_computed_tokens attends to."""
+        return max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+
+    def get_num_blocks_to_hold(self, num_tokens: int) -> int:
+        return _cdiv(num_tokens, self.block_size) - self._num_skipped_blocks(num_tokens)
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         blocks = self.get_blocks(request_id)
-        num_skipped_tokens = max(num_computed_tokens - self.sliding_window + 1, 0)
-        num_skipped_blocks = min(num_skipped_tokens // self.block_size, len(blocks))
+        num_skipped_blocks = min(self._num_skipped_blocks(num_computed_tokens), len(blocks))
         removed_blocks = []
         for block_index in range(num_skipped_blocks - 1, -1, -1):
             if blocks[block_index].is_null:

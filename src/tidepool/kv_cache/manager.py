@@ -181,6 +181,59 @@ class KVCacheManager:
                 manager.cache_blocks(request_id, block_hashes, num_computed_tokens + num_new_tokens)
         return KVCacheBlocks(new_blocks)
 
+    def get_num_new_tokens_that_fit(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+    ) -> int:
+        """The most of `num_new_tokens` that `allocate_slots` could place now: all of them, or the
+        largest count ending on a block boundary (0: not even that). Allocates nothing."""
+        request_id = request.request_id
+        hits = (new_computed_blocks or KVCacheBlocks.empty(self.num_groups)).blocks
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        start = request.num_computed_tokens + len(hits[0]) * self.block_size
+        num_free_blocks = self.block_pool.get_num_free_blocks()
+
+        def fits(num_slot_tokens: int) -> bool:
+            return num_free_blocks >= sum(
+                manager.get_num_blocks_to_allocate(request_id, num_slot_tokens, group_hits)
+                for manager, group_hits in zip(self.managers, hits, strict=True)
+            )
+
+        if fits(start + num_new_tokens):
+            return num_new_tokens
+        # Binary search over block boundaries strictly inside the range (fits() is monotone).
+        low, high = start // self.block_size + 1, (start + num_new_tokens - 1) // self.block_size
+        num_fitting = 0
+        while low <= high:
+            middle = (low + high) // 2
+            if fits(middle * self.block_size):
+                num_fitting, low = middle * self.block_size - start, middle + 1
+            else:
+                high = middle - 1
+        return num_fitting
+
+    def get_num_blocks_to_hold(self, num_tokens: int) -> int:
+        """Blocks of all groups that one request keeps once `num_tokens` tokens are computed:
+        all of them in full-attention groups, those of the window in sliding-window groups."""
+        return sum(manager.get_num_blocks_to_hold(num_tokens) for manager in self.managers)
+
+    def get_num_blocks_held(self, request_id: str) -> int:
+        """Blocks of all groups in the request's tables now (null blocks not counted)."""
+        return sum(
+            sum(1 for block in manager.get_blocks(request_id) if not block.is_null)
+            for manager in self.managers
+        )
+
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Free the blocks no future token of the request attends to (sliding-window groups)
+        as soon as its tokens are computed, rather than at its next allocation: the next
+        schedule() then sees them free before it admits or preempts anyone."""
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (they stay in the prefix cache until evicted)."""
         for manager in self.managers:
