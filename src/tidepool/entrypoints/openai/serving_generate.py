@@ -33,6 +33,7 @@ from tidepool.entrypoints.openai.serving import (
 )
 from tidepool.outputs import BatchInputError, CompletionOutput, Logprob, RequestError
 from tidepool.params import SamplingParams
+from tidepool.request import Request
 
 logger = logging.getLogger("tidepool")
 
@@ -343,10 +344,11 @@ class OpenAIServingGeneration:
             )
         return _Prepared(model, inputs, num_prompt_tokens, num_choices)
 
-    def _fit_max_tokens(self, request: Any, param: str) -> None:
+    def _fit_max_tokens(self, request: Request, param: str) -> None:
         """400 when the prompt and max_tokens do not fit in max_model_len; max_tokens None = the
         room left."""
-        params: SamplingParams = request.sampling_params
+        params = request.sampling_params
+        assert params is not None
         num_prompt_tokens = request.num_prompt_tokens
         room = self.max_model_len - num_prompt_tokens
         if params.max_tokens is None and room >= 1:
