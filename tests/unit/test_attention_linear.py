@@ -74,7 +74,13 @@ def test_padded_layout_attention_matches_packed(dtype, tol):
     seq_lens = [57, 55, 50, 31, 30, 12, 12, 12, 5, 1]
     heads, head_dim = 4, 16
     qkv = torch.randn(sum(seq_lens), 3, heads, head_dim).to(dtype)
-    meta = build_encoder_metadata(seq_lens, torch.device("cpu"), num_heads=heads)
+    # With a dtype the key masks are additive biases (the runner's path); without, bool masks.
+    meta = build_encoder_metadata(seq_lens, torch.device("cpu"), num_heads=heads, dtype=dtype)
+    assert all(
+        b.key_bias is not None and b.key_bias.dtype == dtype
+        for b in meta.buckets
+        if b.key_mask is not None
+    )
     layout = pad_buckets(meta)
     assert not layout.is_packed
     slots = layout.metadata.num_tokens

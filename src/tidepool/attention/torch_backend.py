@@ -54,4 +54,7 @@ def _attend_bucket(qkv: torch.Tensor, bucket: AttentionBucket, scale: float) -> 
     # [num_seqs * max_len, 3, H, D] → [3, num_seqs, H, max_len, D]
     qkv_heads = padded.view(num_seqs, max_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv_heads.unbind(0)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.key_mask, scale=scale)
+    mask = bucket.key_mask
+    if bucket.key_bias is not None and bucket.key_bias.dtype == qkv.dtype:
+        mask = bucket.key_bias
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -141,7 +141,9 @@ class ModelRunner:
             ).to(device, non_blocking=True)
         input_ids = input_ids.to(device, non_blocking=True)
         positions = positions.to(device, non_blocking=True)
-        attn_meta = build_encoder_metadata(seq_lens, device, num_heads=self.num_heads)
+        attn_meta = build_encoder_metadata(
+            seq_lens, device, num_heads=self.num_heads, dtype=self.config.model.dtype
+        )
         hidden = self.model(input_ids, positions, attn_meta, token_type_ids)
         pool_meta = PoolingMetadata(
             seq_lens=seq_lens,
