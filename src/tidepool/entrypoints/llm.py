@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -72,143 +74,157 @@ def _set_torch_threads() -> None:
         torch.set_num_threads(threads)
 
 
-def build_engine_config(
-    model: str = DEFAULT_MODEL,
-    *,
-    runner: str = "auto",
-    convert: str = "auto",
-    dtype: str | torch.dtype = "auto",
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int = 256,
-    seed: int = 0,
-    device: str | None = None,
-    trust_remote_code: bool = False,
-    block_size: int = 16,
-    enable_prefix_caching: bool = True,
-    enable_chunked_prefill: bool = True,
-    kv_cache_memory_bytes: int | None = None,
-    kv_cache_memory_fraction: float | None = None,
-    disable_hybrid_kv_cache_manager: bool = False,
-    model_impl: str = "auto",
-) -> EngineConfig:
-    """The engine configuration from `LLM`'s arguments; shared with the server's AsyncEngine."""
-    _set_torch_threads()
-    model_config = build_model_config(
-        model,
-        convert=convert,
-        runner=runner,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        device=device,
-        seed=seed,
-        trust_remote_code=trust_remote_code,
-        model_impl=model_impl,
-    )
-    # Encoders run each prompt whole; causal models with chunked prefill do not need to.
-    whole_prompts = not model_config.is_causal or not enable_chunked_prefill
-    if max_num_batched_tokens is None:
-        if model_config.is_causal:
-            max_num_batched_tokens = CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS
-        else:
-            # Measured (MiniLM, 800 texts, CPU seconds): 4,096-token steps beat 8,192 by 1.1x and
-            # 16,384 by 1.3x in float32 (activations stay closer to cache), tie in bfloat16.
-            max_num_batched_tokens = ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if whole_prompts:
-            max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
-    elif whole_prompts and max_num_batched_tokens < model_config.max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_model_len="
-            f"{model_config.max_model_len}: "
-            + (
-                "an encoder runs each prompt in one step"
-                if not model_config.is_causal
-                else "without chunked prefill a prompt runs in one step"
-            )
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineArgs:
+    """The engine arguments of `LLM(model, **engine_args)` and `AsyncEngine.from_args`: the one
+    place that owns their names and defaults."""
+
+    runner: str = "auto"
+    """ "pooling", "generate" or "auto" (from the model's architecture)."""
+    convert: str = "auto"
+    """ "embed" or "classify" turns a pooling model into that task; "auto" keeps its own."""
+    dtype: str | torch.dtype = "auto"
+    """Weights and activations; "auto": float32 on CPU, the model's 16-bit dtype on a GPU."""
+    max_model_len: int | None = None
+    """Longest prompt in tokens; None: the model's own limit."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one engine step; None: a default by model kind (see `to_engine_config`)."""
+    max_num_seqs: int = 256
+    """Most sequences in one engine step."""
+    seed: int = 0
+    """`torch.manual_seed` when the model runner starts (sampling with no per-request seed)."""
+    device: str | None = None
+    """ "cpu", "cuda", "cuda:1"...; None: TIDEPOOL_DEVICE, else a GPU where there is one."""
+    trust_remote_code: bool = False
+    """The transformers backend may run modeling code shipped in the model folder."""
+    block_size: int = 16
+    """Tokens per KV block (and per prefix-cache hash)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose token prefix was computed before."""
+    enable_chunked_prefill: bool = True
+    """Causal models: a long prompt may run over several steps."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes for the KV cache (see `LLM.__init__` for the default)."""
+    kv_cache_memory_fraction: float | None = None
+    """Share of the device's memory the process may use; the KV cache gets what the model left."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Sliding-window layers keep every block like full attention."""
+    model_impl: str = "auto"
+    """ "native", "transformers" or "auto" (native where tidepool has the architecture)."""
+
+    def to_engine_config(self, model: str) -> EngineConfig:
+        _set_torch_threads()
+        model_config = build_model_config(
+            model,
+            convert=self.convert,
+            runner=self.runner,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
+            model_impl=self.model_impl,
         )
-    return EngineConfig(
-        model=model_config,
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            enable_chunked_prefill=enable_chunked_prefill,
-        ),
-        cache=CacheConfig(
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            memory_fraction=kv_cache_memory_fraction,
-            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
-        ),
+        # Encoders run each prompt whole; causal models with chunked prefill do not need to.
+        whole_prompts = not model_config.is_causal or not self.enable_chunked_prefill
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            if model_config.is_causal:
+                max_num_batched_tokens = CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS
+            else:
+                # Measured (MiniLM, 800 texts, CPU seconds): 4,096-token steps beat 8,192 by 1.1x
+                # and 16,384 by 1.3x in float32 (activations stay closer to cache), tie in bfloat16.
+                max_num_batched_tokens = ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if whole_prompts:
+                max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
+        elif whole_prompts and max_num_batched_tokens < model_config.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_model_len="
+                f"{model_config.max_model_len}: "
+                + (
+                    "an encoder runs each prompt in one step"
+                    if not model_config.is_causal
+                    else "without chunked prefill a prompt runs in one step"
+                )
+            )
+        return EngineConfig(
+            model=model_config,
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                memory_fraction=self.kv_cache_memory_fraction,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
+            ),
+        )
+
+
+_ENGINE_ARG_NAMES = frozenset(f.name for f in fields(EngineArgs))
+
+
+def build_engine_config(model: str = DEFAULT_MODEL, **engine_args: Any) -> EngineConfig:
+    """The engine configuration from `LLM`'s arguments (`EngineArgs`); shared with the server's
+    AsyncEngine."""
+    return EngineArgs(**engine_args).to_engine_config(model)
+
+
+def _wants_gpu(device: str | None) -> bool:
+    return (device or "").startswith("cuda") or (
+        device is None and envs.device() is None and torch.cuda.is_available()
     )
+
+
+def _with_engine_args_signature(init: Callable[..., None]) -> Callable[..., None]:
+    """Show `EngineArgs`'s fields as keyword-only parameters of `init` (which takes them as
+    `**kwargs`) in `help()` and `inspect.signature`."""
+    signature = inspect.signature(init)
+    self_param, model_param, kwargs_param = signature.parameters.values()
+    engine_params = [
+        inspect.Parameter(
+            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
+        )
+        for f in fields(EngineArgs)
+    ]
+    init.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[self_param, model_param, *engine_params, kwargs_param]
+    )
+    return init
 
 
 class LLM:
     """An engine for offline use. `LLM()` loads the bundled default all-MiniLM-L6-v2."""
 
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        *,
-        runner: str = "auto",
-        convert: str = "auto",
-        dtype: str | torch.dtype = "auto",
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
-        seed: int = 0,
-        device: str | None = None,
-        trust_remote_code: bool = False,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        kv_cache_memory_bytes: int | None = None,
-        kv_cache_memory_fraction: float | None = None,
-        disable_hybrid_kv_cache_manager: bool = False,
-        model_impl: str = "auto",
-        **kwargs: Any,
-    ) -> None:
-        """Causal models keep a paged KV cache: `kv_cache_memory_bytes` sizes it in bytes,
-        `kv_cache_memory_fraction` as the share of the device's memory the process may use (the
-        cache gets what the model leaves); neither: 4 GiB on CPU (at most a quarter of the free
-        memory), `gpu_memory_utilization` (default 0.9) on a GPU. Sliding-window layers keep only
-        the blocks inside their window unless `disable_hybrid_kv_cache_manager` is set."""
-        unknown = set(kwargs) - _IGNORED_VLLM_ARGS
+    @_with_engine_args_signature
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        """`kwargs`: the fields of `EngineArgs`, and vLLM arguments that mean nothing here
+        (ignored, so vLLM code ports unchanged). Causal models keep a paged KV cache:
+        `kv_cache_memory_bytes` sizes it in bytes, `kv_cache_memory_fraction` as the share of the
+        device's memory the process may use (the cache gets what the model leaves); neither:
+        4 GiB on CPU (at most a quarter of the free memory), `gpu_memory_utilization` (default
+        0.9) on a GPU. Sliding-window layers keep only the blocks inside their window unless
+        `disable_hybrid_kv_cache_manager` is set."""
+        unknown = set(kwargs) - _ENGINE_ARG_NAMES - _IGNORED_VLLM_ARGS
         if unknown:
             raise TypeError(f"LLM() got unexpected arguments: {sorted(unknown)}")
-        memory_fraction = kv_cache_memory_fraction
+        ignored = {name: kwargs.pop(name) for name in _IGNORED_VLLM_ARGS & kwargs.keys()}
+        engine_args = EngineArgs(**kwargs)
         if (
-            memory_fraction is None
-            and kv_cache_memory_bytes is None
-            and ("gpu_memory_utilization" in kwargs)
-        ):
+            engine_args.kv_cache_memory_fraction is None
+            and engine_args.kv_cache_memory_bytes is None
+            and "gpu_memory_utilization" in ignored
             # vLLM's knob sizes the KV cache on a GPU; on a CPU it means nothing (as in vLLM).
-            wants_gpu = (device or "").startswith("cuda") or (
-                device is None and envs.device() is None and torch.cuda.is_available()
-            )
-            if wants_gpu:
-                memory_fraction = float(kwargs.pop("gpu_memory_utilization"))
-        if kwargs:
-            logger.info("ignoring vLLM arguments that do not apply here: %s", sorted(kwargs))
-        self.config = build_engine_config(
-            model,
-            runner=runner,
-            convert=convert,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            seed=seed,
-            device=device,
-            trust_remote_code=trust_remote_code,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            kv_cache_memory_fraction=memory_fraction,
-            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
-            model_impl=model_impl,
-        )
+            and _wants_gpu(engine_args.device)
+        ):
+            memory_fraction = float(ignored.pop("gpu_memory_utilization"))
+            engine_args = replace(engine_args, kv_cache_memory_fraction=memory_fraction)
+        if ignored:
+            logger.info("ignoring vLLM arguments that do not apply here: %s", sorted(ignored))
+        self.config = engine_args.to_engine_config(model)
         model_config = self.config.model
         self.engine = EngineCore(self.config)
         self.input_processor = InputProcessor(model_config)
