@@ -47,6 +47,19 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+class _ListResponse(OpenAIBaseModel):
+    """The answer of /v1/embeddings, /pooling, /classify and /score: one `data` item per input.
+    Each subclass narrows `data` and gives `id` its prefix; a field redeclared in a subclass keeps
+    its place here, so the keys of every answer keep this order."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[Any]
+    usage: UsageInfo
+
+
 # ---------------------------------------------------------------------- embeddings / pooling
 
 
@@ -69,13 +82,9 @@ class EmbeddingResponseData(OpenAIBaseModel):
     embedding: list[float] | str
 
 
-class EmbeddingResponse(OpenAIBaseModel):
+class EmbeddingResponse(_ListResponse):
     id: str = Field(default_factory=lambda: random_id("embd"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[EmbeddingResponseData]
-    usage: UsageInfo
 
 
 class PoolingRequest(EmbeddingRequest):
@@ -90,13 +99,9 @@ class PoolingResponseData(OpenAIBaseModel):
     data: list[Any] | str
 
 
-class PoolingResponse(OpenAIBaseModel):
+class PoolingResponse(_ListResponse):
     id: str = Field(default_factory=lambda: random_id("pool"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[PoolingResponseData]
-    usage: UsageInfo
 
 
 # ---------------------------------------------------------------------- classify
@@ -118,13 +123,9 @@ class ClassificationData(OpenAIBaseModel):
     num_classes: int
 
 
-class ClassificationResponse(OpenAIBaseModel):
+class ClassificationResponse(_ListResponse):
     id: str = Field(default_factory=lambda: random_id("classify"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[ClassificationData]
-    usage: UsageInfo
 
 
 # ---------------------------------------------------------------------- score / rerank
@@ -145,13 +146,9 @@ class ScoreResponseData(OpenAIBaseModel):
     score: float
 
 
-class ScoreResponse(OpenAIBaseModel):
+class ScoreResponse(_ListResponse):
     id: str = Field(default_factory=lambda: random_id("score"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[ScoreResponseData]
-    usage: UsageInfo
 
 
 class RerankRequest(OpenAIBaseModel):
