@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -38,6 +38,7 @@ from tidepool.request import Request
 logger = logging.getLogger("tidepool")
 
 SSE_DONE = "data: [DONE]\n\n"
+_Choice = TypeVar("_Choice", bound=BaseModel)
 MAX_LOGPROBS = 20
 """Most alternatives per position a request may ask for (vLLM's default --max-logprobs)."""
 COMPLETIONS_ROUTE = "/v1/completions"
@@ -104,76 +105,49 @@ class OpenAIServingGeneration:
         echo_texts = await self._echo_texts(prompts, prep) if req.echo else None
         if req.stream:
             return self._completion_events(req, prep, echo_texts)
-        finals = await self._collect(self.engine.generate(prep.inputs, stream=False))
-        usage = _Usage(prep.num_prompt_tokens)
-        choices = []
-        for index, completion in enumerate(finals):
+
+        def to_choice(index: int, completion: CompletionOutput) -> p.CompletionResponseChoice:
             prefix = echo_texts[index // prep.n] if echo_texts else ""
             logprobs = None
             if completion.logprobs is not None:
                 logprobs, _ = completion_logprobs(completion, len(prefix))
-            choices.append(
-                p.CompletionResponseChoice(
-                    index=index,
-                    text=prefix + completion.text,
-                    logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
+            return p.CompletionResponseChoice(
+                index=index,
+                text=prefix + completion.text,
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
             )
-            usage.num_completion_tokens += len(completion.token_ids)
-        self._record(COMPLETIONS_ROUTE, usage)
-        return p.CompletionResponse(model=model, choices=choices, usage=usage.info())
 
-    async def _completion_events(
+        choices, usage = await self._final_choices(COMPLETIONS_ROUTE, prep, to_choice)
+        return p.CompletionResponse(model=model, choices=choices, usage=usage)
+
+    def _completion_events(
         self, req: p.CompletionRequest, prep: _Prepared, echo_texts: list[str] | None
     ) -> AsyncIterator[str]:
-        chunk_id, created = p.random_id("cmpl"), int(time.time())
-        usage = _Usage(prep.num_prompt_tokens)
         text_offsets = [0] * len(prep.inputs)
         echoed: set[int] = set()
-        continuous = _wants(req, "continuous_usage_stats")
-        failed = False
 
-        def chunk(choices: list[p.CompletionResponseChoice], with_usage: bool) -> str:
-            body = p.CompletionResponse(
-                id=chunk_id,
-                created=created,
-                model=prep.model,
-                choices=choices,
-                usage=usage.info() if with_usage else None,
+        def to_choice(completion: CompletionOutput) -> p.CompletionResponseChoice:
+            index = completion.index
+            text = completion.text
+            if echo_texts and index not in echoed:  # the prompt goes before the first text
+                echoed.add(index)
+                text = echo_texts[index // prep.n] + text
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs, text_offsets[index] = completion_logprobs(completion, text_offsets[index])
+            else:
+                text_offsets[index] += len(text)
+            return p.CompletionResponseChoice(
+                index=index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
             )
-            return sse(body)
 
-        async for outputs in self._stream(COMPLETIONS_ROUTE, prep, usage):
-            if isinstance(outputs, str):  # an error event, the stream's last item
-                yield outputs
-                failed = True
-                continue
-            for completion in outputs:
-                index = completion.index
-                text = completion.text
-                if echo_texts and index not in echoed:  # the prompt goes before the first text
-                    echoed.add(index)
-                    text = echo_texts[index // prep.n] + text
-                logprobs = None
-                if completion.logprobs is not None:
-                    logprobs, text_offsets[index] = completion_logprobs(
-                        completion, text_offsets[index]
-                    )
-                else:
-                    text_offsets[index] += len(text)
-                choice = p.CompletionResponseChoice(
-                    index=index,
-                    text=text,
-                    logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
-                yield chunk([choice], continuous)
-        if not failed and _wants(req, "include_usage"):
-            yield chunk([], True)
-        yield SSE_DONE
+        return self._events(COMPLETIONS_ROUTE, req, prep, p.CompletionResponse, "cmpl", to_choice)
 
     # ------------------------------------------------------------------ chat
 
@@ -206,67 +180,39 @@ class OpenAIServingGeneration:
         prep = await self._prepare(model, [prompt], params, req.add_special_tokens, "messages")
         if req.stream:
             return self._chat_events(req, prep, num_logprobs)
-        finals = await self._collect(self.engine.generate(prep.inputs, stream=False))
-        usage = _Usage(prep.num_prompt_tokens)
-        choices = []
-        for index, completion in enumerate(finals):
-            logprobs = None
-            if num_logprobs is not None and completion.logprobs is not None:
-                logprobs = chat_logprobs(completion, num_logprobs)
-            choices.append(
-                p.ChatCompletionResponseChoice(
-                    index=index,
-                    message=p.ChatMessage(role="assistant", content=completion.text),
-                    logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
-            )
-            usage.num_completion_tokens += len(completion.token_ids)
-        self._record(CHAT_ROUTE, usage)
-        return p.ChatCompletionResponse(model=model, choices=choices, usage=usage.info())
 
-    async def _chat_events(
+        def to_choice(index: int, completion: CompletionOutput) -> p.ChatCompletionResponseChoice:
+            return p.ChatCompletionResponseChoice(
+                index=index,
+                message=p.ChatMessage(role="assistant", content=completion.text),
+                logprobs=chat_logprobs(completion, num_logprobs),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+
+        choices, usage = await self._final_choices(CHAT_ROUTE, prep, to_choice)
+        return p.ChatCompletionResponse(model=model, choices=choices, usage=usage)
+
+    def _chat_events(
         self, req: p.ChatCompletionRequest, prep: _Prepared, num_logprobs: int | None
     ) -> AsyncIterator[str]:
-        chunk_id, created = p.random_id("chatcmpl"), int(time.time())
-        usage = _Usage(prep.num_prompt_tokens)
-        continuous = _wants(req, "continuous_usage_stats")
-        failed = False
-
-        def chunk(choices: list[p.ChatCompletionStreamChoice], with_usage: bool) -> str:
-            body = p.ChatCompletionStreamResponse(
-                id=chunk_id,
-                created=created,
-                model=prep.model,
-                choices=choices,
-                usage=usage.info() if with_usage else None,
+        def to_choice(completion: CompletionOutput) -> p.ChatCompletionStreamChoice:
+            return p.ChatCompletionStreamChoice(
+                index=completion.index,
+                delta={"content": completion.text} if completion.text else {},
+                logprobs=chat_logprobs(completion, num_logprobs),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
             )
-            return sse(body)
 
-        for index in range(len(prep.inputs)):
-            role = {"role": "assistant", "content": ""}
-            yield chunk([p.ChatCompletionStreamChoice(index=index, delta=role)], continuous)
-        async for outputs in self._stream(CHAT_ROUTE, prep, usage):
-            if isinstance(outputs, str):  # an error event, the stream's last item
-                yield outputs
-                failed = True
-                continue
-            for completion in outputs:
-                logprobs = None
-                if num_logprobs is not None and completion.logprobs is not None:
-                    logprobs = chat_logprobs(completion, num_logprobs)
-                choice = p.ChatCompletionStreamChoice(
-                    index=completion.index,
-                    delta={"content": completion.text} if completion.text else {},
-                    logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
-                yield chunk([choice], continuous)
-        if not failed and _wants(req, "include_usage"):
-            yield chunk([], True)
-        yield SSE_DONE
+        role = {"role": "assistant", "content": ""}
+        opening = [
+            p.ChatCompletionStreamChoice(index=index, delta=role)
+            for index in range(len(prep.inputs))
+        ]
+        return self._events(
+            CHAT_ROUTE, req, prep, p.ChatCompletionStreamResponse, "chatcmpl", to_choice, opening
+        )
 
     # ------------------------------------------------------------------ shared
 
@@ -379,6 +325,62 @@ class OpenAIServingGeneration:
 
         return await self.engine.run_in_tokenizer(decode)
 
+    async def _final_choices(
+        self,
+        route: str,
+        prep: _Prepared,
+        to_choice: Callable[[int, CompletionOutput], _Choice],
+    ) -> tuple[list[_Choice], p.GenerationUsage]:
+        """stream=false: every choice's final output as an answer's choice, and the usage."""
+        finals = await self._collect(self.engine.generate(prep.inputs, stream=False))
+        usage = _Usage(prep.num_prompt_tokens)
+        choices = []
+        for index, completion in enumerate(finals):
+            choices.append(to_choice(index, completion))
+            usage.num_completion_tokens += len(completion.token_ids)
+        self._record(route, usage)
+        return choices, usage.info()
+
+    async def _events(
+        self,
+        route: str,
+        req: p.SamplingRequest,
+        prep: _Prepared,
+        chunk_type: Callable[..., BaseModel],
+        id_prefix: str,
+        to_choice: Callable[[CompletionOutput], BaseModel],
+        opening: Sequence[BaseModel] = (),
+    ) -> AsyncIterator[str]:
+        """stream=true: a chunk per opening choice, then per choice and step (`to_choice` of its
+        delta), the usage chunk when asked for, [DONE]; an error event ends the chunks."""
+        chunk_id, created = p.random_id(id_prefix), int(time.time())
+        usage = _Usage(prep.num_prompt_tokens)
+        continuous = _wants(req, "continuous_usage_stats")
+        failed = False
+
+        def chunk(choices: list[BaseModel], with_usage: bool) -> str:
+            body = chunk_type(
+                id=chunk_id,
+                created=created,
+                model=prep.model,
+                choices=choices,
+                usage=usage.info() if with_usage else None,
+            )
+            return sse(body)
+
+        for choice in opening:
+            yield chunk([choice], continuous)
+        async for outputs in self._stream(route, prep, usage):
+            if isinstance(outputs, str):  # an error event, the stream's last item
+                yield outputs
+                failed = True
+                continue
+            for completion in outputs:
+                yield chunk([to_choice(completion)], continuous)
+        if not failed and _wants(req, "include_usage"):
+            yield chunk([], True)
+        yield SSE_DONE
+
     async def _collect(self, stream: GenerationStream) -> list[CompletionOutput]:
         """Each choice's final output, in choice order (cancelling aborts the requests)."""
         finals: dict[int, CompletionOutput] = {}
@@ -473,9 +475,12 @@ def completion_logprobs(
     return result, text_offset
 
 
-def chat_logprobs(completion: CompletionOutput, num_top: int) -> p.ChatChoiceLogProbs:
+def chat_logprobs(completion: CompletionOutput, num_top: int | None) -> p.ChatChoiceLogProbs | None:
+    """None when the request asked for no logprobs (`num_top` None)."""
+    if num_top is None or completion.logprobs is None:
+        return None
     content = []
-    for token_id, position in zip(completion.token_ids, completion.logprobs or (), strict=False):
+    for token_id, position in zip(completion.token_ids, completion.logprobs, strict=False):
         sampled = position.get(token_id)
         if sampled is None:
             continue
