@@ -162,14 +162,19 @@ class DecoderStep:
                 f"layer {layer_idx} attends with sliding_window={sliding_window}, but passed "
                 f"{self.declared_windows[index]} at load time; its KV cache was sized for that"
             )
-        if getattr(module, "is_causal", True) is False:
-            raise UnsupportedAttentionError(
-                f"{type(module).__name__} is bidirectional, but the model runs as a causal decoder"
-            )
+        _require_causal(module)
         # [1, H, T, D] → [T, H, D] views (no copy); paged_attention handles the strides.
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         out = paged_attention(q, k, v, self.kv_caches[index], self.metadata.for_layer(index), scale)
         return out.view(1, q.shape[0], q.shape[1], q.shape[2])
+
+
+def _require_causal(module: nn.Module) -> None:
+    """Decoder steps refuse a layer that says it is bidirectional (no `is_causal`: causal)."""
+    if getattr(module, "is_causal", True) is False:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__} is bidirectional, but the model runs as a causal decoder"
+        )
 
 
 @dataclass(frozen=True)
@@ -206,10 +211,7 @@ class ProbeStep:
                 f"{type(module).__name__} has layer_idx={layer_idx!r}: each attention layer "
                 "needs its own integer layer_idx to find its KV cache"
             )
-        if getattr(module, "is_causal", True) is False:
-            raise UnsupportedAttentionError(
-                f"{type(module).__name__} is bidirectional, but the model runs as a causal decoder"
-            )
+        _require_causal(module)
         if value.shape[-1] != key.shape[-1]:
             raise UnsupportedAttentionError("keys and values of different head sizes")
         window = None if sliding_window is None else int(sliding_window)
