@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -31,6 +30,7 @@ from tidepool.outputs import (
 )
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
+from tidepool.signatures import fields_as_keywords
 
 logger = logging.getLogger("tidepool")
 
@@ -179,27 +179,10 @@ def _wants_gpu(device: str | None) -> bool:
     )
 
 
-def _with_engine_args_signature(init: Callable[..., None]) -> Callable[..., None]:
-    """Show `EngineArgs`'s fields as keyword-only parameters of `init` (which takes them as
-    `**kwargs`) in `help()` and `inspect.signature`."""
-    signature = inspect.signature(init)
-    self_param, model_param, kwargs_param = signature.parameters.values()
-    engine_params = [
-        inspect.Parameter(
-            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
-        )
-        for f in fields(EngineArgs)
-    ]
-    init.__signature__ = signature.replace(  # type: ignore[attr-defined]
-        parameters=[self_param, model_param, *engine_params, kwargs_param]
-    )
-    return init
-
-
 class LLM:
     """An engine for offline use. `LLM()` loads the bundled default all-MiniLM-L6-v2."""
 
-    @_with_engine_args_signature
+    @fields_as_keywords(EngineArgs)
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         """`kwargs`: the fields of `EngineArgs`, and vLLM arguments that mean nothing here
         (ignored, so vLLM code ports unchanged). Causal models keep a paged KV cache:
