@@ -27,12 +27,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tidepool.models.loader import DEFAULT_MODEL
+from tidepool.signatures import fields_as_keywords
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -149,6 +150,42 @@ def error_column(rows: PooledRows) -> pa.Array:
 # ---------------------------------------------------------------------- the actor
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PredictorOptions:
+    """What a `Predictor` makes of each batch: the one place that owns these options of
+    `Predictor(model, **options)` and `map_dataset(ds, model, **options)`."""
+
+    task: str = "embed"
+    """ "embed", "classify" or "score"."""
+    column: str = "text"
+    """The input column (score: the first text of each pair)."""
+    pair_column: str | None = None
+    """The second text of each pair; score only, and score needs it."""
+    output_column: str | None = None
+    """None: "embedding", "probs" or "score", by task."""
+    error_column: str = "error"
+    """Null where the row succeeded, else why it has no output."""
+    output_dtype: str = "float32"
+    """Of the output values: float16, float32 or float64."""
+    dimensions: int | None = None
+    """embed: keep the first N dimensions (Matryoshka models)."""
+    normalize: bool | None = None
+    """embed: L2-normalize; None: what the model's configuration says."""
+    truncate_prompt_tokens: int | None = -1
+    """Keep the first N tokens of each row; -1: the model's maximum; None: a longer row fails."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if (self.task == "score") != (self.pair_column is not None):
+            raise ValueError("score needs pair_column (the second text of each pair); only score")
+        if self.output_dtype not in OUTPUT_DTYPES:
+            raise ValueError(f"output_dtype must be one of {', '.join(OUTPUT_DTYPES)}")
+
+
+_OPTION_NAMES = frozenset(f.name for f in fields(PredictorOptions))
+
+
 class Predictor:
     """A callable class for `Dataset.map_batches`: one engine per actor, loaded once.
 
@@ -157,56 +194,49 @@ class Predictor:
     kind, with the output and error columns added.
     """
 
+    @fields_as_keywords(PredictorOptions, hide_var_keyword=True)
     def __init__(
         self,
         model: str = DEFAULT_MODEL,
         *,
-        task: str = "embed",
-        column: str = "text",
-        pair_column: str | None = None,
-        output_column: str | None = None,
-        error_column: str = "error",
-        output_dtype: str = "float32",
-        dimensions: int | None = None,
-        normalize: bool | None = None,
-        truncate_prompt_tokens: int | None = -1,
         num_threads: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        **options: Any,
     ) -> None:
-        _check_options(task, pair_column, output_dtype)
-        self.task = task
-        self.column = column
-        self.pair_column = pair_column
-        self.output_column = output_column or DEFAULT_OUTPUT_COLUMNS[task]
-        self.error_column = error_column
-        self.output_dtype = output_dtype
-        self.truncate_prompt_tokens = truncate_prompt_tokens
+        """`options`: the fields of `PredictorOptions`."""
+        self.options = PredictorOptions(**options)
+        self.output_column = self.options.output_column or DEFAULT_OUTPUT_COLUMNS[self.task]
         self.llm = _load_engine(model, num_threads, engine_kwargs or {})
-        self.pooling_params = self._pooling_params(dimensions, normalize)
+        self.pooling_params = self._pooling_params()
         self._width: int | None = None
 
-    def _pooling_params(self, dimensions: int | None, normalize: bool | None) -> Any:
+    @property
+    def task(self) -> str:
+        return self.options.task
+
+    def _pooling_params(self) -> Any:
         from tidepool.params import PoolingParams
 
         if self.task != "embed":
             return None
-        return PoolingParams(dimensions=dimensions, normalize=normalize)
+        return PoolingParams(dimensions=self.options.dimensions, normalize=self.options.normalize)
 
     def __call__(self, batch: pa.Table | dict[str, np.ndarray]) -> pa.Table | dict[str, Any]:
         columns = _column_names(batch)
-        for name in (self.output_column, self.error_column):
+        error_column_name = self.options.error_column
+        for name in (self.output_column, error_column_name):
             if name in columns:
                 raise ValueError(
                     f"the batch already has a column {name!r}; choose another output_column / "
                     "error_column"
                 )
-        rows = self.pool(_values(batch, self.column), self._pairs(batch))
-        output = arrow_column(rows, self.output_dtype, self.output_width(rows))
+        rows = self.pool(_values(batch, self.options.column), self._pairs(batch))
+        output = arrow_column(rows, self.options.output_dtype, self.output_width(rows))
         errors = error_column(rows)
         if isinstance(batch, dict):
-            return {**batch, self.output_column: output, self.error_column: errors}
+            return {**batch, self.output_column: output, error_column_name: errors}
         return batch.append_column(self.output_column, output).append_column(
-            self.error_column, errors
+            error_column_name, errors
         )
 
     def pool(self, texts: list[Any], pairs: list[Any] | None = None) -> PooledRows:
@@ -219,11 +249,12 @@ class Predictor:
             texts,
             pairs,
             pooling_params=self.pooling_params,
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncate_prompt_tokens=self.options.truncate_prompt_tokens,
         )
 
     def _pairs(self, batch: pa.Table | dict[str, np.ndarray]) -> list[Any] | None:
-        return None if self.pair_column is None else _values(batch, self.pair_column)
+        pair_column = self.options.pair_column
+        return None if pair_column is None else _values(batch, pair_column)
 
     def output_width(self, rows: PooledRows) -> int:
         """Every batch must give the same schema, even one in which every row failed."""
@@ -235,15 +266,6 @@ class Predictor:
             probe = self.pool(["width probe"])  # only embed / classify get here
             self._width = probe.values.shape[1]
         return self._width
-
-
-def _check_options(task: str, pair_column: str | None, output_dtype: str) -> None:
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
-    if (task == "score") != (pair_column is not None):
-        raise ValueError("score needs pair_column (the second text of each pair); only score")
-    if output_dtype not in OUTPUT_DTYPES:
-        raise ValueError(f"output_dtype must be one of {', '.join(OUTPUT_DTYPES)}")
 
 
 def _load_engine(model: str, num_threads: int | None, engine_kwargs: dict[str, Any]) -> Any:
@@ -344,19 +366,11 @@ def score_dataset(
     )
 
 
+@fields_as_keywords(PredictorOptions)
 def map_dataset(
     ds: Dataset,
     model: str = DEFAULT_MODEL,
     *,
-    task: str = "embed",
-    column: str = "text",
-    pair_column: str | None = None,
-    output_column: str | None = None,
-    error_column: str = "error",
-    output_dtype: str = "float32",
-    dimensions: int | None = None,
-    normalize: bool | None = None,
-    truncate_prompt_tokens: int | None = -1,
     concurrency: int | tuple[int, int] = 1,
     num_cpus: float = 1,
     batch_size: int = 256,
@@ -364,29 +378,28 @@ def map_dataset(
     **map_batches_kwargs: Any,
 ) -> Dataset:
     """`ds.map_batches(Predictor, ...)` on a pool of `concurrency` actors, one engine each.
+    `map_batches_kwargs` may hold the fields of `PredictorOptions` too: they go to each actor's
+    Predictor (checked here, before any actor starts), the rest to `map_batches`.
 
     Ray Data gives actor-pool actors `max_restarts=-1` and `max_task_retries=-1`: an actor that
-    dies is restarted and its batch runs again. Pass finite ones (in `map_batches_kwargs`) to
-    give up instead.
+    dies is restarted and its batch runs again. Pass finite ones (to `map_batches`) to give up
+    instead.
     """
     from ray.data import ActorPoolStrategy
 
-    _check_options(task, pair_column, output_dtype)
+    options = {
+        name: map_batches_kwargs.pop(name)
+        for name in list(map_batches_kwargs)
+        if name in _OPTION_NAMES
+    }
+    PredictorOptions(**options)
     if isinstance(concurrency, int):
         compute = ActorPoolStrategy(size=concurrency)
     else:
         compute = ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
     predictor_kwargs = {
         "model": model,
-        "task": task,
-        "column": column,
-        "pair_column": pair_column,
-        "output_column": output_column,
-        "error_column": error_column,
-        "output_dtype": output_dtype,
-        "dimensions": dimensions,
-        "normalize": normalize,
-        "truncate_prompt_tokens": truncate_prompt_tokens,
+        **options,
         # One torch thread per reserved CPU: more would fight the node's other actors.
         "num_threads": max(1, int(num_cpus)),
         "engine_kwargs": engine_kwargs,
