@@ -16,6 +16,7 @@ from torch import nn
 from tidepool.attention.metadata import EncoderAttentionMetadata, pad_buckets
 from tidepool.attention.torch_backend import encoder_attention
 from tidepool.models.layers.linear import Linear
+from tidepool.models.weights import load_fused_weights
 
 
 def roberta_position_offset(config) -> int:
@@ -172,7 +173,7 @@ class BertModel(nn.Module):
         return name.replace(".gamma", ".weight").replace(".beta", ".bias")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_qkv_weights(self, weights, self.map_weight_name)
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
 
 
 class RobertaModel(BertModel):
@@ -218,7 +219,7 @@ class BertForSequenceClassification(nn.Module):
         return None if mapped is None else "body." + mapped
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_qkv_weights(self, weights, self.map_weight_name)
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
 
 
 class RobertaForSequenceClassification(BertForSequenceClassification):
@@ -248,51 +249,14 @@ class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
     body_cls = XLMRobertaModel
 
 
-_QKV = {".attention.self.query.": 0, ".attention.self.key.": 1, ".attention.self.value.": 2}
+_QKV = {
+    ".attention.self.query.": (".attention.self.qkv.", 0),
+    ".attention.self.key.": (".attention.self.qkv.", 1),
+    ".attention.self.value.": (".attention.self.qkv.", 2),
+}
 
 
-def load_fused_qkv_weights(
-    module: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    map_name,
-) -> set[str]:
-    """Copy checkpoint tensors into `module`, fusing query/key/value into `qkv`.
-
-    Returns the parameter names that were loaded; raises if a parameter is left without weights.
-    """
-    params = dict(module.named_parameters())
-    loaded: set[str] = set()
-    qkv_parts: dict[str, int] = {}
-    for ckpt_name, tensor in weights:
-        name = map_name(ckpt_name)
-        if name is None:
-            continue
-        shard = None
-        for marker, index in _QKV.items():
-            if marker in name:
-                name = name.replace(marker, ".attention.self.qkv.")
-                shard = index
-                break
-        if name not in params:
-            continue
-        param = params[name]
-        with torch.no_grad():
-            if shard is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"{ckpt_name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}"
-                    )
-                param.copy_(tensor)
-                loaded.add(name)
-            else:
-                size = param.shape[0] // 3
-                param[shard * size : (shard + 1) * size].copy_(tensor)
-                qkv_parts[name] = qkv_parts.get(name, 0) | (1 << shard)
-                if qkv_parts[name] == 0b111:
-                    loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(
-            f"the checkpoint has no weights for {len(missing)} parameters: {missing[:8]}"
-        )
-    return loaded
+def _qkv_thirds(module: nn.Module, fused_name: str) -> list[int]:
+    """Rows of the query, key and value shards of a fused `qkv` parameter (equal heads)."""
+    rows = module.get_parameter(fused_name).shape[0]
+    return [rows // 3] * 3

@@ -22,6 +22,7 @@ from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindow
 from tidepool.models.layers.linear import Linear
 from tidepool.models.layers.rmsnorm import RMSNorm
 from tidepool.models.layers.rotary import RotaryEmbedding, apply_rotary
+from tidepool.models.weights import load_fused_weights
 
 
 def _head_size(config: Any) -> int:
@@ -215,7 +216,7 @@ class LlamaModel(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_stacked_weights(self, weights, self.map_weight_name)
+        return load_fused_weights(self, weights, self.map_weight_name, _STACKED, _shard_sizes)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -255,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         self._tie()  # to_empty() made separate tensors of the tied pair
-        return load_stacked_weights(self, weights, self.map_weight_name)
+        return load_fused_weights(self, weights, self.map_weight_name, _STACKED, _shard_sizes)
 
 
 class MistralModel(LlamaModel):
@@ -287,52 +288,3 @@ def _shard_sizes(module: nn.Module, fused_name: str) -> list[int]:
     owner = module.get_submodule(fused_name.rsplit(".", 2)[0])
     assert isinstance(owner, DecoderAttention)
     return [owner.q_size, owner.kv_size, owner.kv_size]
-
-
-def load_stacked_weights(
-    module: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    map_name,
-) -> set[str]:
-    """Copy checkpoint tensors into `module`, fusing q/k/v and gate/up (see _STACKED).
-
-    Returns the loaded parameter names; raises if a parameter is left without weights.
-    """
-    params = dict(module.named_parameters())
-    loaded: set[str] = set()
-    shards_loaded: dict[str, set[int]] = {}
-    for ckpt_name, tensor in weights:
-        name = map_name(ckpt_name)
-        if name is None:
-            continue
-        shard = None
-        for marker, (fused, index) in _STACKED.items():
-            if marker in name:
-                name, shard = name.replace(marker, fused), index
-                break
-        param = params.get(name)
-        if param is None:
-            continue
-        with torch.no_grad():
-            if shard is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"{ckpt_name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}"
-                    )
-                param.copy_(tensor)
-                loaded.add(name)
-                continue
-            sizes = _shard_sizes(module, name)
-            offset = sum(sizes[:shard])
-            if tensor.shape[0] != sizes[shard]:
-                raise ValueError(f"{ckpt_name}: {tensor.shape[0]} rows, expected {sizes[shard]}")
-            param[offset : offset + sizes[shard]].copy_(tensor)
-            shards_loaded.setdefault(name, set()).add(shard)
-            if len(shards_loaded[name]) == len(sizes):
-                loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(
-            f"the checkpoint has no weights for {len(missing)} parameters: {missing[:8]}"
-        )
-    return loaded
