@@ -17,9 +17,7 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 
@@ -35,26 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from corpus import make_corpus  # noqa: E402
 from random_decoder import build_random_decoder  # noqa: E402
-from serve_load import free_port  # noqa: E402
-
-
-def start_server(model: str, port: int, extra_args: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "tidepool.entrypoints.cli", "serve", model, "--host",
-               "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
-               "--uvicorn-log-level", "warning", *extra_args]  # fmt: skip
-    process = subprocess.Popen(command)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    process.kill()
-    raise SystemExit("the server did not start")
+from serve_process import running_server  # noqa: E402
 
 
 async def _load(url: str, prompts: list[str], max_tokens: int, num_clients: int, stream: bool):
@@ -129,10 +108,7 @@ def main() -> None:
     kind = "JSON" if args.no_stream else "streaming"
     print(f"{len(prompts)} requests x {args.max_tokens} tokens, {args.clients} {kind} clients; "
           f"model {path.name} {args.dtype}")  # fmt: skip
-    port = free_port()
-    server = start_server(str(path), port, ["--dtype", args.dtype])
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with running_server(str(path), ["--dtype", args.dtype]) as url:
         llm = LLM(str(path), dtype=args.dtype)
         run_offline(llm, prompts[:4], 8)  # warm-up both sides
         asyncio.run(_load(url, prompts[:4], 8, 4, not args.no_stream))
@@ -160,9 +136,6 @@ def main() -> None:
             )
         print(f"median ratio server/offline over {args.rounds} rounds: "
               f"{statistics.median(ratios):.3f}x")  # fmt: skip
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,14 @@ import argparse
 import asyncio
 import math
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
+from serve_process import running_server
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 COSINE_MIN = 0.99999
@@ -46,34 +43,6 @@ def make_corpus(num_texts: int, seed: int = 0) -> list[str]:
         num_words = int(round(math.exp(rng.uniform(math.log(5), math.log(250)))))
         texts.append(" ".join(rng.choice(words[:8000]) for _ in range(num_words)) + ".")
     return texts
-
-
-# ---------------------------------------------------------------------- server side
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(port: int, extra_args: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "tidepool.entrypoints.cli", "serve", MODEL, "--host",
-               "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
-               "--uvicorn-log-level", "warning", *extra_args]  # fmt: skip
-    process = subprocess.Popen(command)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    process.kill()
-    raise SystemExit("the server did not start")
 
 
 @dataclass
@@ -148,10 +117,7 @@ def main() -> None:
     num_words = [len(t.split()) for t in texts]
     print(f"corpus: {len(texts)} texts, {min(num_words)}-{max(num_words)} words "
           f"(mean {statistics.mean(num_words):.0f}); {args.clients} concurrent clients")  # fmt: skip
-    port = free_port()
-    server = start_server(port, args.server_arg)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with running_server(MODEL, args.server_arg) as url:
         llm = LLM(MODEL)
         llm.embed(texts[:16], use_tqdm=False)  # warm-up both sides
         run_server_side(url, texts[:16], 4)
@@ -173,9 +139,6 @@ def main() -> None:
             )
         print(f"median ratio server/offline over {args.rounds} rounds: "
               f"{statistics.median(ratios):.3f}x (target >= 0.8x)")  # fmt: skip
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
 
 
 if __name__ == "__main__":
