@@ -190,20 +190,26 @@ class OpenAIServing:
         except BatchInputError as e:
             raise ApiError(400, _format_batch_error(e, param), param) from e
 
+    async def _encode_input(self, value: Any, **param_fields: Any) -> list[PoolingRequestOutput]:
+        """Every prompt of a request's `input` through the engine with the same PoolingParams
+        (checked in this order: the prompts, their count, the parameters; 400 / 413 on a fault)."""
+        prompts = parse_prompts(value)
+        self._check_count(len(prompts), "input")
+        params = self._params(**param_fields)
+        return await self._run(self.engine.encode(prompts, [params] * len(prompts)), "input")
+
     # ------------------------------------------------------------------ embeddings / pooling
 
     async def embed(self, req: p.EmbeddingRequest) -> p.EmbeddingResponse:
         model = self.model_name(req.model)
         self._check_task("embed", "Embeddings")
-        prompts = parse_prompts(req.input)
-        self._check_count(len(prompts), "input")
-        params = self._params(
+        outputs = await self._encode_input(
+            req.input,
             task="embed",
             dimensions=req.dimensions,
             normalize=req.normalize,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
-        outputs = await self._run(self.engine.encode(prompts, [params] * len(prompts)), "input")
         data = [
             p.EmbeddingResponseData(
                 index=i, embedding=encode_floats(o.outputs.data, req.encoding_format)
@@ -216,16 +222,14 @@ class OpenAIServing:
         model = self.model_name(req.model)
         task = req.task or ("classify" if self.model_config.task == "classify" else "embed")
         self._check_task(task, f"Pooling (task={task})")
-        prompts = parse_prompts(req.input)
-        self._check_count(len(prompts), "input")
-        params = self._params(
+        outputs = await self._encode_input(
+            req.input,
             task=task,
             dimensions=req.dimensions,
             normalize=req.normalize,
             activation=req.activation,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
-        outputs = await self._run(self.engine.encode(prompts, [params] * len(prompts)), "input")
         data = [
             p.PoolingResponseData(index=i, data=encode_floats(o.outputs.data, req.encoding_format))
             for i, o in enumerate(outputs)
@@ -237,14 +241,12 @@ class OpenAIServing:
     async def classify(self, req: p.ClassificationRequest) -> p.ClassificationResponse:
         model = self.model_name(req.model)
         self._check_task("classify", "Classification")
-        prompts = parse_prompts(req.input)
-        self._check_count(len(prompts), "input")
-        params = self._params(
+        outputs = await self._encode_input(
+            req.input,
             task="classify",
             activation=req.activation,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
-        outputs = await self._run(self.engine.encode(prompts, [params] * len(prompts)), "input")
         id2label = getattr(self.model_config.hf_config, "id2label", None) or {}
         data = []
         for i, o in enumerate(outputs):
