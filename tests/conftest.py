@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from st_metadata import write_st_metadata
 
 MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
 BERT_TOKENIZER_FILES = (
@@ -217,26 +218,6 @@ def save_roberta_tokenizer(folder: Path, kind: str) -> int:
 
 def write_st_pooling(folder: Path, mode: str, normalize: bool = False) -> None:
     """sentence-transformers metadata (legacy key format): Transformer → Pooling(mode) [→ Normalize]."""
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-    ]
-    if normalize:
-        modules.append(
-            {
-                "idx": 2,
-                "name": "2",
-                "path": "2_Normalize",
-                "type": "sentence_transformers.models.Normalize",
-            }
-        )
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir(exist_ok=True)
     hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
     pooling = {
         "word_embedding_dimension": hidden,
@@ -245,7 +226,7 @@ def write_st_pooling(folder: Path, mode: str, normalize: bool = False) -> None:
         "pooling_mode_max_tokens": mode == "max",
         "pooling_mode_mean_sqrt_len_tokens": False,
     }
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    write_st_metadata(folder, pooling, normalize)
 
 
 def _build_tiny(kind: str, folder: Path, minilm_path: Path) -> None:

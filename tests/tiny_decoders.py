@@ -7,10 +7,10 @@ makes the logits peaked, so greedy decoding rarely meets near-ties.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+from st_metadata import write_st_metadata
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|end|>"]
 PAD, BOS, EOS = 0, 1, 2
@@ -127,20 +127,8 @@ def build_tiny_decoder(kind: str, folder: Path) -> Path:
 
 def write_st_pooling(folder: Path, mode: str) -> None:
     """sentence-transformers metadata (new-style key): Transformer → Pooling(mode)."""
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-    ]
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir(exist_ok=True)
-    (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": SIZES["hidden_size"], "pooling_mode": mode})
-    )
+    pooling = {"word_embedding_dimension": SIZES["hidden_size"], "pooling_mode": mode}
+    write_st_metadata(folder, pooling)
 
 
 # ----------------------------------------------------------------------------- fixtures

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import TINY_SIZES, copy_bert_tokenizer
+from st_metadata import write_st_metadata
 from tiny_decoders import SIZES, save_tokenizer
 
 from tidepool import LLM, PoolingParams, SamplingParams
@@ -235,28 +236,6 @@ def hf_tiny(tmp_path_factory, minilm_path):
     return get
 
 
-def _write_st_mean_normalize(folder: Path) -> None:
-    """sentence-transformers metadata: Transformer → Pooling(mean) → Normalize."""
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
-    ]
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
-
-
 @torch.inference_mode()
 def _hf_states(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     body = getattr(model, model.base_model_prefix, model)
@@ -280,7 +259,7 @@ def test_backend_encoder_matches_transformers(kind, hf_tiny, tiny_texts, report_
     mean_folder = folder.parent / f"{kind}-st-mean"
     if not mean_folder.exists():
         shutil.copytree(folder, mean_folder)
-        _write_st_mean_normalize(mean_folder)
+        write_st_metadata(mean_folder, {"pooling_mode": "mean"}, normalize=True)
     st = LLM(str(mean_folder), device="cpu", dtype="float32")
     got = torch.tensor([o.outputs.embedding for o in st.embed(tiny_texts, use_tqdm=False)])
     expected = torch.stack([_hf_states(hf, o.prompt_token_ids).mean(0) for o in outs])
