@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tidepool.attention.metadata import pad_buckets
 from tidepool.config import ModelConfig
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from tidepool.attention.metadata import pad_buckets
 from tidepool.models.transformers_attention import (
     STEP_KWARG,
     DecoderStep,
