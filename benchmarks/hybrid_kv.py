@@ -233,7 +233,7 @@ def describe(side: Side, num_tokens: int) -> str:
         f"{' '.join(f'{s:.1f}' for s in side.cpu_seconds)} s) | running max {log.max_running} "
         f"mean {log.mean_running:.1f} | blocks {num_usable} x {kv.config.bytes_per_block} B, peak "
         f"in use {log.max_blocks_in_use} | peak tokens held {log.max_tokens_held:,} | "
-        f"preemptions {metrics.num_preemptions} | step limited by: {limits} ({log.num_steps} steps)"
+        f"preemptions (all runs) {metrics.num_preemptions} | step limited by: {limits} ({log.num_steps} steps)"
     )
 
 
