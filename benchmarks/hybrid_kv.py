@@ -11,7 +11,10 @@ one cannot hold every request at once. Prompts are random token ids, 8x the wind
               EOS ignored): tokens per second, and what the scheduler ran at once
     pool      the same prompts through the model's body, LAST pooling (runner="pooling"), on a
               smaller budget (--pool-kv-requests) so that memory, not the token budget, limits a
-              step; a third side, uniform with twice the bytes, bounds what any layout could gain
+              step, with prompts run in chunks of at most --pool-chunk tokens per request
+              (`long_prefill_token_threshold`; the sliding-window group then holds the window plus
+              one chunk, not the whole prompt). Two more sides: uniform with twice the bytes (what
+              more memory gives), and uniform without the chunk cap (the uniform layout's best)
     full      a model of the same shape with full attention only, generate: the hybrid switch
               on vs off (one KV-cache group either way, so the ratio should be 1.0)
 
@@ -309,25 +312,28 @@ def section_generate(args, path: Path, prompts: list[dict], engine_args: dict) -
 
 
 def section_pool(args, path: Path, prompts: list[dict], engine_args: dict) -> list[tuple]:
-    pool_args = dict(
-        engine_args, kv_cache_memory_bytes=kv_budget_bytes(args, args.pool_kv_requests)
+    uncapped = dict(
+        engine_args,
+        kv_cache_memory_bytes=kv_budget_bytes(args, args.pool_kv_requests),
+        runner="pooling",
     )
-    hybrid = make_side("hybrid", path, runner="pooling", **pool_args)
-    uniform = make_side(
-        "uniform", path, runner="pooling", disable_hybrid_kv_cache_manager=True, **pool_args
-    )
-    # The most any layout could gain here: uniform with twice the bytes.
+    pool_args = dict(uncapped, long_prefill_token_threshold=args.pool_chunk)
+    hybrid = make_side("hybrid", path, **pool_args)
+    uniform = make_side("uniform", path, disable_hybrid_kv_cache_manager=True, **pool_args)
+    # What more memory gives: uniform with twice the bytes.
     double = dict(pool_args, kv_cache_memory_bytes=2 * pool_args["kv_cache_memory_bytes"])
-    roomy = make_side(
-        "uniform2x", path, runner="pooling", disable_hybrid_kv_cache_manager=True, **double
-    )
-    emb_h, emb_u, _ = alternate([hybrid, uniform, roomy], prompts, None, args.rounds)
+    roomy = make_side("uniform2x", path, disable_hybrid_kv_cache_manager=True, **double)
+    # The uniform layout's best at this budget: whole prompts (no chunk cap, no preemptions).
+    whole = make_side("uniform0", path, disable_hybrid_kv_cache_manager=True, **uncapped)
+    sides = [hybrid, uniform, roomy, whole]
+    emb_h, emb_u, _, _ = alternate(sides, prompts, None, args.rounds)
     num_tokens = len(prompts) * args.prompt_len
     print(
         f"\npool (LAST pooling of the body; KV budget {args.pool_kv_requests:g} uniform requests, "
-        f"{pool_args['kv_cache_memory_bytes'] / 2**20:.1f} MiB)"
+        f"{pool_args['kv_cache_memory_bytes'] / 2**20:.1f} MiB; chunk cap "
+        f"long_prefill_token_threshold={args.pool_chunk} (uniform0: none))"
     )
-    for side in (hybrid, uniform, roomy):
+    for side in sides:
         print(describe(side, num_tokens))
     cos = torch.nn.functional.cosine_similarity(torch.tensor(emb_h), torch.tensor(emb_u), dim=1)
     print(f"  agreement: min cosine {cos.min().item():.6f}", flush=True)
@@ -340,8 +346,15 @@ def section_pool(args, path: Path, prompts: list[dict], engine_args: dict) -> li
                 "",
                 f"{num_tokens / statistics.median(roomy.seconds):,.0f}",
                 f"{ratio(roomy, uniform):.2f}x",
-                "ceiling",
-            )
+                "memory-bound?",
+            ),
+            (
+                "pool, uniform no cap",
+                "",
+                f"{num_tokens / statistics.median(whole.seconds):,.0f}",
+                f"{ratio(hybrid, whole):.2f}x",
+                "hybrid vs it",
+            ),
         ]
     )
 
@@ -381,6 +394,12 @@ def main() -> None:
         type=float,
         default=2,
         help="KV budget of the pool section (its token budget alone would run 8 prompts a step)",
+    )
+    parser.add_argument(
+        "--pool-chunk",
+        type=int,
+        default=128,
+        help="pool section: long_prefill_token_threshold (prompt tokens per request per step; 0: none)",
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sections", default="generate,pool,full")

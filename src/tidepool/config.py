@@ -100,10 +100,16 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     """Causal models: a prompt longer than the step's remaining budget runs over several steps
     (mixed with decoding requests). Encoders always run a prompt whole."""
+    long_prefill_token_threshold: int = 0
+    """Causal models with chunked prefill: most prompt tokens one request runs in one step (vLLM's
+    setting of that name); 0: no cap beyond the step's budget. A hybrid KV cache frees the blocks
+    that leave a sliding window after each chunk, so smaller chunks keep fewer blocks in flight."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
 
 
 # KV-cache budget on CPU when none is given: vLLM's VLLM_CPU_KVCACHE_SPACE default, at most a

@@ -28,9 +28,15 @@ def _scheduler(
     caching: bool = True,
     chunked: bool = True,
     max_model_len: int = 1000,
+    long_prefill: int = 0,
 ) -> Scheduler:
     kv = KVCacheManager(KVCacheConfig(num_blocks, (KVCacheGroup(SPEC, ("layers.0",)),)), caching)
-    config = SchedulerConfig(budget, max_num_seqs, enable_chunked_prefill=chunked)
+    config = SchedulerConfig(
+        budget,
+        max_num_seqs,
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=long_prefill,
+    )
     return Scheduler(config, kv, max_model_len)
 
 
@@ -78,6 +84,23 @@ def test_token_budget_chunks_a_long_prompt_among_decodes():
         assert out.num_scheduled_tokens == {"a": 1, "b": expected_b}
         assert [o.request_id for o in outputs] == (["a", "b"] if expected_b == 7 else ["a"])
     assert sched.requests["b"].output_token_ids == [NEXT_TOKEN]
+
+
+def test_long_prefill_token_threshold_caps_each_prompt_per_step():
+    sched = _scheduler(budget=100, num_blocks=31, long_prefill=8)
+    sched.add_request(_gen("a", 3))
+    out, _ = _run(sched)
+    assert out.num_scheduled_tokens == {"a": 3}  # under the cap: whole
+    sched.add_request(_pool("p", 20, first=200))
+    sched.add_request(_pool("q", 10, first=300))
+    # Every prompt gets at most 8 tokens a step, side by side; the decode keeps its 1 token.
+    expected = ({"a": 1, "p": 8, "q": 8}, {"a": 1, "p": 8, "q": 2}, {"a": 1, "p": 4})
+    for step in expected:
+        out, _ = _run(sched)
+        assert out.num_scheduled_tokens == step
+    assert "p" not in sched.requests and "q" not in sched.requests
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
 
 
 def test_max_num_seqs_and_fcfs():

@@ -161,7 +161,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = self._cap_prefill(
+                min(request.num_tokens - request.num_computed_tokens, budget)
+            )
             if num_new_tokens <= 0:  # cannot happen: finished requests leave `running`
                 index += 1
                 continue
@@ -196,6 +198,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new_tokens = budget
+            num_new_tokens = self._cap_prefill(num_new_tokens)
             hit_blocks = hit.blocks if hit is not None else None
             new_blocks = kv.allocate_slots(request, num_new_tokens, hit_blocks)
             if new_blocks is None:
@@ -213,6 +216,13 @@ class Scheduler:
             out.restarted_req_ids.add(request.request_id)
             self._add_scheduled(out, request, num_new_tokens, kv.get_block_ids(request.request_id))
             budget -= num_new_tokens
+
+    def _cap_prefill(self, num_new_tokens: int) -> int:
+        """At most long_prefill_token_threshold prompt tokens per request per step (0: no cap)."""
+        cap = self.config.long_prefill_token_threshold
+        if 0 < cap < num_new_tokens and self.config.enable_chunked_prefill:
+            return cap
+        return num_new_tokens
 
     def _num_prefill_tokens_that_fit(
         self, request: Request, num_new_tokens: int, hit_blocks: KVCacheBlocks | None = None

@@ -103,6 +103,8 @@ class EngineArgs:
     """Reuse the KV of full blocks whose token prefix was computed before."""
     enable_chunked_prefill: bool = True
     """Causal models: a long prompt may run over several steps."""
+    long_prefill_token_threshold: int = 0
+    """Causal models with chunked prefill: most prompt tokens of one request per step (0: no cap)."""
     kv_cache_memory_bytes: int | None = None
     """Bytes for the KV cache (see `LLM.__init__` for the default)."""
     kv_cache_memory_fraction: float | None = None
@@ -153,6 +155,7 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
