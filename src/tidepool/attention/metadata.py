@@ -178,3 +178,13 @@ def pad_buckets(meta: EncoderAttentionMetadata) -> PaddedLayout:
         offset += num_slots
     padded = EncoderAttentionMetadata(offset, meta.seq_lens, meta.cu_seqlens, buckets)
     return PaddedLayout(torch.cat(token_index), torch.cat(slot_of_token), padded)
+
+
+def first_token_slots(meta: EncoderAttentionMetadata) -> torch.Tensor:
+    """[num_seqs] the slot of each sequence's first token, in sequence order.
+
+    For a layout whose buckets are plain slices (pad_buckets' metadata, or a packed step): bucket
+    rows are [num_seqs, max_len], so sequence j of a bucket starts at slot start + j * max_len.
+    """
+    device = meta.cu_seqlens.device
+    return torch.cat([torch.arange(b.start, b.end, b.max_len, device=device) for b in meta.buckets])

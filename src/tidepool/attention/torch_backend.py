@@ -43,6 +43,37 @@ def encoder_attention(
     return out
 
 
+def encoder_attention_first_tokens(
+    qkv: torch.Tensor, meta: EncoderAttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Queries at each sequence's first slot only, keys and values at all its slots.
+
+    qkv: [num_slots, 3, num_heads, head_dim] on a layout whose buckets are plain slices
+    (metadata.pad_buckets) → [num_seqs, num_heads * head_dim], in sequence order. Each bucket is
+    one SDPA call with q_len 1 and the same key mask as `encoder_attention`, so a sequence's first
+    row is the one `encoder_attention` gives it.
+    """
+    _, _, num_heads, head_dim = qkv.shape
+    outs: list[torch.Tensor] = []
+    for bucket in meta.buckets:
+        assert bucket.gather_index is None, "needs the padded layout (pad_buckets)"
+        num_seqs, max_len = bucket.num_seqs, bucket.max_len
+        # [num_seqs * max_len, 3, H, D] → [3, num_seqs, H, max_len, D]
+        qkv_heads = (
+            qkv[bucket.start : bucket.end]
+            .view(num_seqs, max_len, 3, num_heads, head_dim)
+            .permute(2, 0, 3, 1, 4)
+        )
+        q, k, v = qkv_heads.unbind(0)
+        mask = bucket.key_mask
+        if bucket.key_bias is not None and bucket.key_bias.dtype == qkv.dtype:
+            mask = bucket.key_bias
+        # q: [num_seqs, H, 1, D] (each sequence's first slot); o: [num_seqs, H, 1, D]
+        o = F.scaled_dot_product_attention(q[:, :, :1], k, v, attn_mask=mask, scale=scale)
+        outs.append(o.reshape(num_seqs, num_heads * head_dim))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def _attend_bucket(qkv: torch.Tensor, bucket: AttentionBucket, scale: float) -> torch.Tensor:
     """One bucket as a padded batch → [num_seqs, H, max_len, D]."""
     _, _, num_heads, head_dim = qkv.shape

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tidepool.attention.metadata import EncoderAttentionMetadata, pad_buckets
-from tidepool.attention.torch_backend import encoder_attention
+from tidepool.attention.metadata import EncoderAttentionMetadata, first_token_slots, pad_buckets
+from tidepool.attention.torch_backend import encoder_attention, encoder_attention_first_tokens
 from tidepool.models.layers.linear import Linear
 from tidepool.models.weights import load_fused_weights
 
@@ -68,6 +68,11 @@ class BertSelfAttention(nn.Module):
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
         return encoder_attention(qkv, meta, self.scale)
 
+    def forward_first_tokens(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+        """x: [num_slots, hidden] → [num_seqs, hidden]: queries at each sequence's first slot."""
+        qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
+        return encoder_attention_first_tokens(qkv, meta, self.scale)
+
 
 class BertDenseLayerNorm(nn.Module):
     """dense → residual add → LayerNorm (BertSelfOutput and BertOutput)."""
@@ -115,16 +120,40 @@ class BertLayer(nn.Module):
         x = self.attention(x, meta)
         return self.output(self.intermediate(x), x)
 
+    def forward_first_tokens(
+        self, x: torch.Tensor, meta: EncoderAttentionMetadata, first_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's output at `first_slots` only: x [num_slots, hidden] → [num_seqs, hidden].
+
+        Keys and values need every slot; the queries, the output projection, both LayerNorms and
+        the FFN run on one row per sequence.
+        """
+        attention = self.attention
+        context = attention.self.forward_first_tokens(x, meta)
+        x = attention.output(context, x.index_select(0, first_slots))
+        return self.output(self.intermediate(x), x)
+
 
 class BertEncoder(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
-        for layer in self.layer:
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+        first_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [num_slots, hidden] → [num_slots, hidden], or [num_seqs, hidden] (the rows at
+        `first_slots`) when given: then the last layer computes only those rows."""
+        if first_slots is None:
+            for layer in self.layer:
+                x = layer(x, meta)
+            return x
+        for layer in self.layer[:-1]:
             x = layer(x, meta)
-        return x
+        return self.layer[-1].forward_first_tokens(x, meta, first_slots)
 
 
 class BertModel(nn.Module):
@@ -133,6 +162,8 @@ class BertModel(nn.Module):
     # Prefixes a checkpoint may put before the body's weight names.
     body_prefixes: tuple[str, ...] = ("bert.", "model.")
     position_offset_from_padding = False
+    supports_first_token_only = True
+    """forward(..., first_token_only=True) returns each sequence's first row only (CLS pooling)."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -149,18 +180,25 @@ class BertModel(nn.Module):
         positions: torch.Tensor,
         attn_metadata: EncoderAttentionMetadata,
         token_type_ids: torch.Tensor | None = None,
+        first_token_only: bool = False,
     ) -> torch.Tensor:
+        """→ [num_tokens, hidden] in packed order; with `first_token_only`, [num_seqs, hidden]:
+        each sequence's first token (what CLS pooling reads), the last layer computing only those
+        rows (~1/num_layers of the FLOPs saved)."""
         # The layers run on the padded layout (attention/metadata.py): ids in, hidden states out.
         layout = pad_buckets(attn_metadata)
         if layout.is_packed:
-            return self.encoder(
-                self.embeddings(input_ids, positions, token_type_ids), attn_metadata
-            )
-        slots = layout.token_index
-        if token_type_ids is not None:
-            token_type_ids = token_type_ids[slots]
-        x = self.embeddings(input_ids[slots], positions[slots], token_type_ids)
-        return self.encoder(x, layout.metadata).index_select(0, layout.slot_of_token)
+            # No padding: the slots are the packed tokens (layout.metadata == attn_metadata).
+            x = self.embeddings(input_ids, positions, token_type_ids)
+        else:
+            slots = layout.token_index
+            if token_type_ids is not None:
+                token_type_ids = token_type_ids[slots]
+            x = self.embeddings(input_ids[slots], positions[slots], token_type_ids)
+        if first_token_only:
+            return self.encoder(x, layout.metadata, first_token_slots(layout.metadata))
+        x = self.encoder(x, layout.metadata)
+        return x if layout.is_packed else x.index_select(0, layout.slot_of_token)
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → our parameter name; None = not ours (skipped)."""
@@ -190,6 +228,7 @@ class BertForSequenceClassification(nn.Module):
 
     body_cls = BertModel
     default_pooling_type = "CLS"
+    supports_first_token_only = True
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -198,8 +237,10 @@ class BertForSequenceClassification(nn.Module):
         self.pooler_dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, input_ids, positions, attn_metadata, token_type_ids=None) -> torch.Tensor:
-        return self.body(input_ids, positions, attn_metadata, token_type_ids)
+    def forward(
+        self, input_ids, positions, attn_metadata, token_type_ids=None, first_token_only=False
+    ) -> torch.Tensor:
+        return self.body(input_ids, positions, attn_metadata, token_type_ids, first_token_only)
 
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         """pooled: [num_seqs, hidden] (the CLS states) → [num_seqs, num_labels]."""

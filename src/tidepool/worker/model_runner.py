@@ -20,6 +20,7 @@ from tidepool.config import EngineConfig
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.kv_cache.spec import KVCacheConfig, group_layers, plan_kv_cache
 from tidepool.models.registry import build_model
+from tidepool.params import PoolingParams
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
 from tidepool.worker.pooler import Pooler, PoolingMetadata
 from tidepool.worker.sampler import Sampler, SamplingMetadata
@@ -144,14 +145,33 @@ class ModelRunner:
         attn_meta = build_encoder_metadata(
             seq_lens, device, num_heads=self.num_heads, dtype=self.config.model.dtype
         )
-        hidden = self.model(input_ids, positions, attn_meta, token_type_ids)
-        pool_meta = PoolingMetadata(
-            seq_lens=seq_lens,
-            cu_seqlens=attn_meta.cu_seqlens,
-            params=[r.pooling_params for r in requests],  # type: ignore[misc]
-        )
+        params: list[PoolingParams] = [r.pooling_params for r in requests]  # type: ignore[misc]
+        if self._pools_first_tokens_only(params):
+            # hidden: [num_seqs, hidden], each sequence's first token; to the pooler every
+            # sequence is then one row long, and CLS pooling reads that row.
+            num_seqs = len(seq_lens)
+            hidden = self.model(
+                input_ids, positions, attn_meta, token_type_ids, first_token_only=True
+            )
+            pool_meta = PoolingMetadata(
+                seq_lens=[1] * num_seqs,
+                cu_seqlens=torch.arange(num_seqs + 1, dtype=torch.int64, device=device),
+                params=params,
+            )
+        else:
+            hidden = self.model(input_ids, positions, attn_meta, token_type_ids)
+            pool_meta = PoolingMetadata(seq_lens, attn_meta.cu_seqlens, params)
         outputs = self.pooler(hidden, pool_meta)
         return {r.request_id: out for r, out in zip(requests, outputs, strict=True)}
+
+    def _pools_first_tokens_only(self, params: list[PoolingParams]) -> bool:
+        """True when the step's outputs read only each sequence's first token (CLS pooling, no
+        token task) and the model can compute only those rows in its last layer."""
+        return (
+            getattr(self.model, "supports_first_token_only", False)
+            and self.pooler.pooling_type == "CLS"
+            and not any(p.task.startswith("token_") for p in params)
+        )
 
     def _pool_chunks(self, hidden: torch.Tensor, batch: CausalBatch) -> dict[str, torch.Tensor]:
         """Pooling on a causal model: every scheduled request is a pooling request."""
