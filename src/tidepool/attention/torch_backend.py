@@ -57,25 +57,24 @@ def encoder_attention_first_tokens(
     outs: list[torch.Tensor] = []
     for bucket in meta.buckets:
         assert bucket.gather_index is None, "needs the padded layout (pad_buckets)"
-        num_seqs, max_len = bucket.num_seqs, bucket.max_len
-        # [num_seqs * max_len, 3, H, D] → [3, num_seqs, H, max_len, D]
-        qkv_heads = (
-            qkv[bucket.start : bucket.end]
-            .view(num_seqs, max_len, 3, num_heads, head_dim)
-            .permute(2, 0, 3, 1, 4)
-        )
-        q, k, v = qkv_heads.unbind(0)
-        mask = bucket.key_mask
-        if bucket.key_bias is not None and bucket.key_bias.dtype == qkv.dtype:
-            mask = bucket.key_bias
+        q, k, v, mask = _bucket_inputs(qkv, bucket)
         # q: [num_seqs, H, 1, D] (each sequence's first slot); o: [num_seqs, H, 1, D]
         o = F.scaled_dot_product_attention(q[:, :, :1], k, v, attn_mask=mask, scale=scale)
-        outs.append(o.reshape(num_seqs, num_heads * head_dim))
+        outs.append(o.reshape(bucket.num_seqs, num_heads * head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _attend_bucket(qkv: torch.Tensor, bucket: AttentionBucket, scale: float) -> torch.Tensor:
     """One bucket as a padded batch → [num_seqs, H, max_len, D]."""
+    q, k, v, mask = _bucket_inputs(qkv, bucket)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _bucket_inputs(
+    qkv: torch.Tensor, bucket: AttentionBucket
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The bucket's q, k, v as [num_seqs, H, max_len, D] views, and its key mask (the additive
+    one when it is in qkv's dtype)."""
     _, _, num_heads, head_dim = qkv.shape
     num_seqs, max_len = bucket.num_seqs, bucket.max_len
     if bucket.gather_index is None:
@@ -88,4 +87,4 @@ def _attend_bucket(qkv: torch.Tensor, bucket: AttentionBucket, scale: float) -> 
     mask = bucket.key_mask
     if bucket.key_bias is not None and bucket.key_bias.dtype == qkv.dtype:
         mask = bucket.key_bias
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return q, k, v, mask
