@@ -13,6 +13,23 @@ Causal models (a KVCacheManager is given) follow vLLM's V1 policy. Every request
     2. then waiting requests, FCFS (unless someone was preempted this step): a prefix-cache
        lookup gives the tokens it may skip, then blocks for the rest (or the first chunk of it).
 
+Admission with reservations. A pooling request never generates, so the most blocks it will hold
+is known before it starts: its prompt's peak with chunks of at most `_max_prefill_chunk` tokens
+(KVCacheManager.get_num_blocks_at_peak; full attention: every block of the prompt, a sliding
+window: the blocks of W - 1 + C tokens and the one they straddle). While other requests run, one
+starts only when the free blocks, less what the pooling prompts in progress may still take to
+reach their ends (their reservations), cover its own peak; a generating request starts only when
+its first chunk fits outside the reservations. So pooling prompts never run out of blocks halfway
+and are never preempted by each other, whether they run whole or in chunks. Without it a chunked
+prompt started whenever its first chunk fitted and preempted others (or itself) later: with 512-
+token prompts in 128-token chunks that restarted most prompts once or twice.
+
+Generating requests reserve nothing (vLLM reserves no decode blocks either): how long they grow
+is not known in advance, and reserving max_tokens would keep most of the pool idle. They start
+as soon as their first chunk fits, and when decoding or a chunk runs out of blocks the
+last-admitted request is preempted, as before. A workload with no pooling prompts in progress
+is scheduled exactly as without reservations.
+
 A prefill chunk whose blocks do not fit runs shorter (block-aligned) instead, when the blocks the
 request keeps after all its tokens would fit: that only happens with sliding-window groups, which
 hold a chunk's blocks for one step and then only the window's (see _num_prefill_tokens_that_fit).
@@ -69,13 +86,26 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never run (the engine's start-up checks keep
+        every request of up to max_model_len tokens within both limits)."""
         kv = self.kv_cache_manager
         if kv is None or not self.config.enable_chunked_prefill:
             if request.num_prompt_tokens > self.config.max_num_batched_tokens:
-                # The engine checks this at start-up (max_model_len <= budget); keep the invariant.
                 raise ValueError(
                     f"request {request.request_id} has {request.num_prompt_tokens} tokens, more "
                     f"than max_num_batched_tokens={self.config.max_num_batched_tokens}"
+                )
+        if kv is not None:
+            num_peak = kv.get_num_blocks_at_peak(request.num_prompt_tokens, self._max_prefill_chunk)
+            num_usable = kv.config.num_blocks - 1  # block 0 is the null block
+            if num_peak > num_usable:
+                # It would wait forever (or preempt itself forever): fail it alone, now.
+                raise ValueError(
+                    f"request {request.request_id}: its prompt of {request.num_prompt_tokens} "
+                    f"tokens holds up to {num_peak} KV-cache blocks at once (chunks of at most "
+                    f"{self._max_prefill_chunk} tokens), more than the cache's {num_usable}; "
+                    "shorten it, lower long_prefill_token_threshold / max_num_batched_tokens, or "
+                    "raise kv_cache_memory_bytes"
                 )
         self.waiting.append(request)
         self.requests[request.request_id] = request
@@ -200,13 +230,20 @@ class Scheduler:
                 num_new_tokens = budget
             num_new_tokens = self._cap_prefill(num_new_tokens)
             hit_blocks = hit.blocks if hit is not None else None
-            new_blocks = kv.allocate_slots(request, num_new_tokens, hit_blocks)
+            num_reserved = self._num_blocks_reserved()
+            if not self._peak_fits(request, hit_blocks, num_reserved):
+                break  # its prompt could not reach its end: wait for running requests to finish
+            new_blocks = kv.allocate_slots(
+                request, num_new_tokens, hit_blocks, num_reserved_blocks=num_reserved
+            )
             if new_blocks is None:
                 num_new_tokens = self._num_prefill_tokens_that_fit(
-                    request, num_new_tokens, hit_blocks
+                    request, num_new_tokens, hit_blocks, num_reserved
                 )
                 if num_new_tokens > 0:
-                    new_blocks = kv.allocate_slots(request, num_new_tokens, hit_blocks)
+                    new_blocks = kv.allocate_slots(
+                        request, num_new_tokens, hit_blocks, num_reserved_blocks=num_reserved
+                    )
             if new_blocks is None:
                 break  # not enough free blocks: wait for running requests to finish
             self.waiting.popleft()
@@ -217,6 +254,45 @@ class Scheduler:
             self._add_scheduled(out, request, num_new_tokens, kv.get_block_ids(request.request_id))
             budget -= num_new_tokens
 
+    @property
+    def _max_prefill_chunk(self) -> int:
+        """Most prompt tokens one request computes in one step: the step's budget, or less with
+        long_prefill_token_threshold (without chunked prefill a prompt runs whole, <= budget)."""
+        cap = self.config.long_prefill_token_threshold
+        budget = self.config.max_num_batched_tokens
+        return min(cap, budget) if cap > 0 and self.config.enable_chunked_prefill else budget
+
+    def _num_blocks_reserved(self) -> int:
+        """Free blocks the running pooling prompts may still take before they end (a pooling
+        request runs only while its prompt does)."""
+        kv = self.kv_cache_manager
+        assert kv is not None
+        return sum(
+            kv.get_num_blocks_to_reserve(request, self._max_prefill_chunk)
+            for request in self.running
+            if request.pooling_params is not None
+        )
+
+    def _peak_fits(
+        self, request: Request, hit_blocks: KVCacheBlocks | None, num_reserved: int
+    ) -> bool:
+        """Admission of a pooling request while others run: the free blocks outside the
+        reservations cover what it may take up to the end of its prompt. Worked example (block
+        16, window 64, chunks of 128, prompts of 512, a pool of 137 blocks): hybrid, a prompt may
+        take 32 full-attention + 13 window blocks, so 3 run at once (137 // 45); uniform (one
+        group of 128-KiB blocks, 68 of them), 32 each, 2 at once.
+
+        True for generating requests (they reserve nothing; their chunks stay outside the
+        reservations through `num_reserved_blocks`) and when nothing runs: alone, a prompt runs as
+        before, in chunks that fit (see _num_prefill_tokens_that_fit; its reservation then keeps
+        everyone else waiting until it ends)."""
+        kv = self.kv_cache_manager
+        assert kv is not None
+        if request.pooling_params is None or not self.running:
+            return True
+        num_needed = kv.get_num_blocks_to_reserve(request, self._max_prefill_chunk, hit_blocks)
+        return num_needed <= kv.get_num_free_blocks() - num_reserved
+
     def _cap_prefill(self, num_new_tokens: int) -> int:
         """At most long_prefill_token_threshold prompt tokens per request per step (0: no cap)."""
         cap = self.config.long_prefill_token_threshold
@@ -225,7 +301,11 @@ class Scheduler:
         return num_new_tokens
 
     def _num_prefill_tokens_that_fit(
-        self, request: Request, num_new_tokens: int, hit_blocks: KVCacheBlocks | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit_blocks: KVCacheBlocks | None = None,
+        num_reserved: int = 0,
     ) -> int:
         """A prefill chunk whose blocks do not fit: how much of it to run instead (0: none).
 
@@ -242,9 +322,9 @@ class Scheduler:
             return 0
         num_to_hold = kv.get_num_blocks_to_hold(request.num_tokens)
         num_held = kv.get_num_blocks_held(request.request_id)
-        if num_to_hold > kv.get_num_free_blocks() + num_held:
+        if num_to_hold > kv.get_num_free_blocks() - num_reserved + num_held:
             return 0
-        return kv.get_num_new_tokens_that_fit(request, num_new_tokens, hit_blocks)
+        return kv.get_num_new_tokens_that_fit(request, num_new_tokens, hit_blocks, num_reserved)
 
     def _add_scheduled(
         self,

@@ -99,6 +99,37 @@ class SingleTypeManager(ABC):
         """Blocks a request keeps once `num_tokens` tokens are computed (and skipped ones dropped)."""
         return _cdiv(num_tokens, self.block_size)
 
+    def get_num_blocks_at_peak(self, num_tokens: int, max_num_chunk_tokens: int) -> int:
+        """Most blocks a request holds at once in this group while its tokens [0, num_tokens) are
+        computed in chunks of at most `max_num_chunk_tokens`, wherever the chunks start (prefix
+        hits and short chunks included). Full attention keeps every block: the last chunk holds
+        them all."""
+        return _cdiv(num_tokens, self.block_size)
+
+    def get_num_blocks_to_reserve(
+        self,
+        request_id: str,
+        num_tokens: int,
+        max_num_chunk_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> int:
+        """Most blocks the request may still take from the free pool, in this group, before its
+        tokens [0, num_tokens) are computed: its peak less the blocks that count towards the peak
+        without coming from the pool (`new_computed_blocks`: a prefix hit it is about to take)."""
+        num_peak = self.get_num_blocks_at_peak(num_tokens, max_num_chunk_tokens)
+        return max(num_peak - self._num_blocks_credited(request_id, new_computed_blocks), 0)
+
+    def _num_blocks_credited(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """Full attention drops no block before the request ends: every block it holds counts,
+        and so does every hit that another request holds (touching it takes nothing from the pool;
+        a hit in the free queue is taken from it)."""
+        num_held = sum(1 for block in self.get_blocks(request_id) if not block.is_null)
+        return num_held + sum(
+            1 for block in new_computed_blocks if block.ref_cnt > 0 and not block.is_null
+        )
+
     @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
@@ -149,6 +180,8 @@ class SlidingWindowManager(SingleTypeManager):
         assert isinstance(spec, SlidingWindowSpec)
         self.sliding_window = spec.sliding_window
         self.num_hit_blocks_needed = _cdiv(spec.sliding_window - 1, self.block_size)
+        self._peak_cache: dict[tuple[int, int], int] = {}
+        """(num_tokens, max_num_chunk_tokens) -> get_num_blocks_at_peak (a pure function of them)."""
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
@@ -180,6 +213,52 @@ class SlidingWindowManager(SingleTypeManager):
 
     def get_num_blocks_to_hold(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size) - self._num_skipped_blocks(num_tokens)
+
+    def get_num_blocks_at_peak(self, num_tokens: int, max_num_chunk_tokens: int) -> int:
+        """A step that computes tokens [start, start + chunk) first drops the skipped blocks, then
+        holds every later block up to the one of its last token:
+
+            held(start) = cdiv(min(start + max_num_chunk_tokens, num_tokens), block_size)
+                          - _num_skipped_blocks(start)
+
+        The skip count is constant on runs of block_size starts and the first term grows with the
+        start, so the maximum is at the last start of a run, W - 2 + k * block_size (k >= 1), or
+        at the last token. Worked example, block 16, window 64, chunks of 128, prompt 512: a chunk
+        starting at token 62 + 16k still sees token 16k - 1 (block k - 1) and ends at token
+        189 + 16k (block k + 11): 13 blocks, the blocks of W - 1 + C tokens and the one they
+        straddle. Chunks that start on block boundaries hold 12; the peak covers any start.
+        """
+        key = (num_tokens, max_num_chunk_tokens)
+        num_peak = self._peak_cache.get(key)
+        if num_peak is not None:
+            return num_peak
+        num_peak, start, last = 0, self.sliding_window - 2 + self.block_size, num_tokens - 1
+        while True:
+            start = min(start, last)
+            end = min(start + max_num_chunk_tokens, num_tokens)
+            num_held = _cdiv(end, self.block_size) - self._num_skipped_blocks(start)
+            num_peak = max(num_peak, num_held)
+            if start >= last:
+                break
+            start += self.block_size
+        self._peak_cache[key] = num_peak
+        return num_peak
+
+    def _num_blocks_credited(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """The window drops blocks while the prompt runs. A block the request holds alone goes back
+        to the pool when dropped (and may be taken again), so it counts; a block shared with
+        another request does not go back, so it does not. Hits never count (one in the free
+        queue is taken from it; one another request holds is shared), and a hit that another
+        request holds alone takes that request's credit for it: one more block to reserve."""
+        num_held_alone = sum(
+            1 for block in self.get_blocks(request_id) if block.ref_cnt == 1 and not block.is_null
+        )
+        num_credit_taken = sum(
+            1 for block in new_computed_blocks if block.ref_cnt == 1 and not block.is_null
+        )
+        return num_held_alone - num_credit_taken
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         blocks = self.get_blocks(request_id)

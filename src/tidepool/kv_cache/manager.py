@@ -145,13 +145,15 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_reserved_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` tokens after `request.num_computed_tokens` plus the hit.
 
         Returns the newly allocated blocks per group, or None when the pool has too few free
-        blocks; then nothing was allocated, touched or cached (sliding-window blocks that left the
-        window may have been freed: they are dead either way). Lookahead slots (speculative tokens)
-        are allocated but not cached.
+        blocks (leaving `num_reserved_blocks` of them untouched: reserved for others); then nothing
+        was allocated, touched or cached (sliding-window blocks that left the window may have been
+        freed: they are dead either way). Lookahead slots (speculative tokens) are allocated but
+        not cached.
 
             |<- num_computed_tokens ->|<- hit ->|<- num_new_tokens ->|<- lookahead ->|
             |   already has blocks    | touched |      new blocks as needed          |
@@ -168,7 +170,7 @@ class KVCacheManager:
             manager.get_num_blocks_to_allocate(request_id, num_slot_tokens, group_hits)
             for manager, group_hits in zip(self.managers, hits, strict=True)
         )
-        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks() - num_reserved_blocks:
             return None
         for manager, group_hits in zip(self.managers, hits, strict=True):
             manager.save_new_computed_blocks(request_id, group_hits)
@@ -186,6 +188,7 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: KVCacheBlocks | None = None,
+        num_reserved_blocks: int = 0,
     ) -> int:
         """The most of `num_new_tokens` that `allocate_slots` could place now: all of them, or the
         largest count ending on a block boundary (0: not even that). Allocates nothing."""
@@ -194,7 +197,7 @@ class KVCacheManager:
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
         start = request.num_computed_tokens + len(hits[0]) * self.block_size
-        num_free_blocks = self.block_pool.get_num_free_blocks()
+        num_free_blocks = self.block_pool.get_num_free_blocks() - num_reserved_blocks
 
         def fits(num_slot_tokens: int) -> bool:
             return num_free_blocks >= sum(
@@ -219,6 +222,34 @@ class KVCacheManager:
         """Blocks of all groups that one request keeps once `num_tokens` tokens are computed:
         all of them in full-attention groups, those of the window in sliding-window groups."""
         return sum(manager.get_num_blocks_to_hold(num_tokens) for manager in self.managers)
+
+    def get_num_blocks_at_peak(self, num_tokens: int, max_num_chunk_tokens: int) -> int:
+        """Most blocks of all groups one request holds at once while its first `num_tokens`
+        tokens are computed in chunks of at most `max_num_chunk_tokens` (each group's peak; they
+        may fall in different steps, so the sum is an upper bound)."""
+        return sum(
+            manager.get_num_blocks_at_peak(num_tokens, max_num_chunk_tokens)
+            for manager in self.managers
+        )
+
+    def get_num_blocks_to_reserve(
+        self,
+        request: Request,
+        max_num_chunk_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+    ) -> int:
+        """Most free blocks the request may still take, all groups together, before its prompt
+        ends (chunks of at most `max_num_chunk_tokens`): per group, its peak less what it holds
+        that counts towards it. With `new_computed_blocks` (a waiting request's hit): what it
+        would need if admitted with them. Reserving this much for every prompt in progress means
+        no prompt runs out of blocks (see Scheduler: admission)."""
+        hits = (new_computed_blocks or KVCacheBlocks.empty(self.num_groups)).blocks
+        return sum(
+            manager.get_num_blocks_to_reserve(
+                request.request_id, request.num_prompt_tokens, max_num_chunk_tokens, group_hits
+            )
+            for manager, group_hits in zip(self.managers, hits, strict=True)
+        )
 
     def get_num_blocks_held(self, request_id: str) -> int:
         """Blocks of all groups in the request's tables now (null blocks not counted)."""
