@@ -22,6 +22,16 @@ def api_key() -> str | None:
     return os.environ.get("TIDEPOOL_API_KEY") or None
 
 
+def cpu_attention() -> str:
+    """TIDEPOOL_CPU_ATTENTION: the encoders' attention kernel on CPU. "auto" (default): tidepool's
+    own AVX-512 kernel where the CPU has AVX-512 and it builds, else PyTorch's SDPA; "native": the
+    own kernel or an error saying why not; "sdpa": always PyTorch's SDPA."""
+    value = (os.environ.get("TIDEPOOL_CPU_ATTENTION") or "auto").lower()
+    if value not in ("auto", "native", "sdpa"):
+        raise ValueError(f"TIDEPOOL_CPU_ATTENTION must be auto, native or sdpa, got {value!r}")
+    return value
+
+
 def apply_openmp_defaults() -> bool:
     """OMP_WAIT_POLICY: tidepool sets PASSIVE unless the user chose; returns whether it applies.
 

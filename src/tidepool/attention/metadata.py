@@ -20,7 +20,7 @@ packed order once. Worked example above: 21 + 3 = 24 slots for 23 tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,6 +53,14 @@ class EncoderAttentionMetadata:
     cu_seqlens: torch.Tensor
     """[num_seqs + 1] int64: sequence i is flat tokens cu_seqlens[i]:cu_seqlens[i+1]."""
     buckets: list[AttentionBucket]
+    seq_lens_tensor: torch.Tensor | None = None
+    """[num_seqs] int64 seq_lens (on the device), for kernels that take the lengths."""
+    varlen: bool = False
+    """The layers run on the packed tokens with a variable-length attention kernel
+    (cpu_kernels.encoder_attention) instead of the padded layout and the buckets."""
+
+    def as_varlen(self) -> EncoderAttentionMetadata:
+        return replace(self, varlen=True)
 
 
 def build_encoder_metadata(
@@ -86,6 +94,7 @@ def build_encoder_metadata(
         seq_lens=list(seq_lens),
         cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
         buckets=buckets,
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
     )
 
 
@@ -176,7 +185,9 @@ def pad_buckets(meta: EncoderAttentionMetadata) -> PaddedLayout:
             )
         )
         offset += num_slots
-    padded = EncoderAttentionMetadata(offset, meta.seq_lens, meta.cu_seqlens, buckets)
+    padded = EncoderAttentionMetadata(
+        offset, meta.seq_lens, meta.cu_seqlens, buckets, meta.seq_lens_tensor
+    )
     return PaddedLayout(torch.cat(token_index), torch.cat(slot_of_token), padded)
 
 

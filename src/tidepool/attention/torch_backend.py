@@ -6,6 +6,9 @@ SDPA for every bucket beat an explicit form (QK^T via baddbmm with the mask fuse
 softmax, PV) by 1.1x-1.2x in float32 and 1.3x-1.5x in bfloat16 for long buckets (its streaming
 softmax stays in cache where [len, len] score matrices do not), and tied on short ones; a
 per-sequence SDPA loop costs ~0.2 ms of framework overhead per call.
+
+Metadata marked `varlen` (the model chose tidepool's CPU kernel, attention/cpu_kernels.py) goes to
+that kernel instead: packed tokens, no buckets, no mask.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tidepool.attention import cpu_kernels
 from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata
 
 
@@ -25,6 +29,8 @@ def encoder_attention(
     (metadata.pad_buckets) every bucket is a plain slice and padding slots' outputs are garbage
     that nobody reads.
     """
+    if meta.varlen:
+        return cpu_kernels.encoder_attention(qkv, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale)
     num_tokens, _, num_heads, head_dim = qkv.shape
     if len(meta.buckets) == 1 and meta.buckets[0].valid_slots is None:
         o = _attend_bucket(qkv, meta.buckets[0], scale)
@@ -53,6 +59,10 @@ def encoder_attention_first_tokens(
     one SDPA call with q_len 1 and the same key mask as `encoder_attention`, so a sequence's first
     row is the one `encoder_attention` gives it.
     """
+    if meta.varlen:
+        return cpu_kernels.encoder_attention(
+            qkv, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale, first_token_only=True
+        )
     _, _, num_heads, head_dim = qkv.shape
     outs: list[torch.Tensor] = []
     for bucket in meta.buckets:

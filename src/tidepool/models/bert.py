@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tidepool.attention import cpu_kernels
 from tidepool.attention.metadata import EncoderAttentionMetadata, first_token_slots, pad_buckets
 from tidepool.attention.torch_backend import encoder_attention, encoder_attention_first_tokens
 from tidepool.models.layers.linear import Linear
@@ -173,6 +174,7 @@ class BertModel(nn.Module):
             offset = roberta_position_offset(config)
         self.embeddings = BertEmbeddings(config, position_offset=offset)
         self.encoder = BertEncoder(config)
+        self._cpu_kernel: bool | None = None
 
     def forward(
         self,
@@ -185,7 +187,15 @@ class BertModel(nn.Module):
         """→ [num_tokens, hidden] in packed order; with `first_token_only`, [num_seqs, hidden]:
         each sequence's first token (what CLS pooling reads), the last layer computing only those
         rows (~1/num_layers of the FLOPs saved)."""
-        # The layers run on the padded layout (attention/metadata.py): ids in, hidden states out.
+        if self._uses_cpu_kernel():
+            # Packed tokens, each sequence attended to by the variable-length kernel.
+            meta = attn_metadata.as_varlen()
+            x = self.embeddings(input_ids, positions, token_type_ids)
+            if first_token_only:
+                return self.encoder(x, meta, meta.cu_seqlens[:-1])
+            return self.encoder(x, meta)
+        # Else the layers run on the padded layout (attention/metadata.py): ids in, hidden
+        # states out.
         layout = pad_buckets(attn_metadata)
         if layout.is_packed:
             # No padding: the slots are the packed tokens (layout.metadata == attn_metadata).
@@ -199,6 +209,16 @@ class BertModel(nn.Module):
             return self.encoder(x, layout.metadata, first_token_slots(layout.metadata))
         x = self.encoder(x, layout.metadata)
         return x if layout.is_packed else x.index_select(0, layout.slot_of_token)
+
+    def _uses_cpu_kernel(self) -> bool:
+        """tidepool's variable-length CPU attention kernel, where it runs (cpu_kernels.supports:
+        CPU, float32 / bfloat16, head_dim 32/64/128, AVX-512); decided once, on first forward,
+        which also builds the kernel on a machine's first run."""
+        if self._cpu_kernel is None:
+            weight = self.embeddings.word_embeddings.weight
+            head_dim = self.config.hidden_size // self.config.num_attention_heads
+            self._cpu_kernel = cpu_kernels.supports(weight.device, weight.dtype, head_dim)
+        return self._cpu_kernel
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → our parameter name; None = not ours (skipped)."""

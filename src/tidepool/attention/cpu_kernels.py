@@ -1,0 +1,134 @@
+"""tidepool's own CPU kernels (csrc/), built on first use with torch's C++ extension loader.
+
+`encoder_attention` (csrc/cpu_encoder_attention.cpp) is bidirectional attention over packed,
+variable-length sequences: no padding, no mask, each (sequence, head) one task for a thread,
+AVX-512 in float32 with float32 or bfloat16 inputs, head_dim 32, 64 or 128. It replaces PyTorch's
+CPU SDPA for the native encoders because SDPA's flash kernel runs 32- and 64-wide heads as many
+tiny GEMMs (25-60 GFLOP/s here; figures in docs/performance.md). Written by hand deliberately:
+no maintained library offers varlen encoder attention for CPU (vLLM's CPU kernels are part of
+vLLM, not a library).
+
+The build takes ~10 s once per machine (torch caches it under TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions); it needs a C++ compiler and ninja (the `ninja` package is a
+dependency). Where the CPU has no AVX-512 or the build fails, `load()` says why once and returns
+None, and the encoders keep PyTorch's SDPA. TIDEPOOL_CPU_ATTENTION=sdpa turns the kernel off,
+=native makes a failure an error (envs.cpu_attention).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from tidepool import envs
+
+logger = logging.getLogger("tidepool")
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_encoder_attention.cpp"
+_HEAD_DIMS = (32, 64, 128)
+_DTYPES = (torch.float32, torch.bfloat16)
+# The source is compiled for AVX-512 (F/BW/DQ/VL); load() runs it only where the CPU has them.
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-std=c++17"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_has_avx512() -> tuple[bool, str]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False, f"the CPU is {platform.machine()}, not x86-64"
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False, "cannot read /proc/cpuinfo to check for AVX-512"
+    missing = [f for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl") if f not in flags]
+    if missing:
+        return False, f"the CPU lacks {', '.join(missing)}"
+    return True, ""
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the `ninja` package's binary is not there unless the
+    environment is activated."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build() -> object | None:
+    mode = envs.cpu_attention()
+    if mode == "sdpa":
+        return None
+    ok, why = _cpu_has_avx512()
+    if ok:
+        try:
+            from torch.utils.cpp_extension import load
+
+            _put_ninja_on_path()
+
+            load(
+                name="tidepool_cpu_ops",
+                sources=[str(_SOURCE)],
+                extra_cflags=_CFLAGS,
+                is_python_module=False,
+                verbose=False,
+            )
+            return torch.ops.tidepool_cpu.encoder_attention
+        except Exception as e:  # a missing compiler / ninja, a failed build
+            why = f"building {_SOURCE.name} failed: {type(e).__name__}: {e}"
+    if mode == "native":
+        raise RuntimeError(f"TIDEPOOL_CPU_ATTENTION=native, but the CPU kernel is unusable: {why}")
+    logger.warning("tidepool's CPU attention kernel is off (%s); using PyTorch SDPA", why)
+    return None
+
+
+def load():
+    """The `encoder_attention` op, built and loaded on first call; None where it cannot run."""
+    if "op" not in _state:
+        with _lock:
+            if "op" not in _state:
+                _state["op"] = _build()
+    return _state["op"]
+
+
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel handles this case (and is available): CPU, float32 / bfloat16, a head
+    width it was written for."""
+    if device.type != "cpu" or dtype not in _DTYPES or head_dim not in _HEAD_DIMS:
+        return False
+    return load() is not None
+
+
+def encoder_attention(
+    qkv: torch.Tensor,
+    seq_starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    first_token_only: bool = False,
+) -> torch.Tensor:
+    """qkv: [num_tokens, 3, num_heads, head_dim], sequence i at rows seq_starts[i] ..
+    + seq_lens[i] (int64 tensors) → [num_tokens, num_heads * head_dim] (rows outside every
+    sequence are left unset), or with `first_token_only` [num_seqs, num_heads * head_dim]: each
+    sequence's first query only, in sequence order."""
+    op = load()
+    assert op is not None, "check supports() first"
+    num_tokens, _, num_heads, head_dim = qkv.shape
+    qkv = qkv.contiguous()
+    if first_token_only:
+        out = qkv.new_empty(seq_starts.shape[0], num_heads * head_dim)
+        out_starts = torch.arange(seq_starts.shape[0], dtype=torch.int64)
+    else:
+        out = qkv.new_empty(num_tokens, num_heads * head_dim)
+        out_starts = seq_starts
+    op(qkv, seq_starts, seq_lens, out_starts, first_token_only, scale, out)
+    return out

@@ -1,0 +1,192 @@
+"""tidepool's variable-length CPU attention kernel (csrc/cpu_encoder_attention.cpp) against a
+float64 per-sequence reference, and the encoders on it against the SDPA path.
+
+Tolerances: float32 inputs, max abs diff against float64 SDPA on the same inputs no more than
+twice PyTorch's own float32 SDPA's, and <= 1e-5: outputs are convex combinations of values
+|v| < 8, the kernel's exp is within ~2e-7 relative and it sums in float32 (measured 2-3e-6 for
+both); a wrong key, a missing key or a shifted row moves outputs by > 1e-2. bfloat16 inputs: the kernel computes in float32 and rounds once, so the error is one
+bfloat16 rounding of the output: <= 2^-8 relative (+1e-3 absolute for outputs near 0).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidepool.attention import cpu_kernels
+
+
+def _has_avx512() -> bool:
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+requires_kernel = pytest.mark.skipif(
+    not cpu_kernels.supports(torch.device("cpu"), torch.float32, 32),
+    reason="the CPU kernel needs x86-64 with AVX-512 and a C++ compiler to build it",
+)
+
+# Lengths around the kernel's tiles (8 query rows, 32 keys) and vector width (16), and long ones.
+SEQ_LENS = [300, 129, 64, 33, 32, 31, 17, 16, 15, 9, 8, 7, 2, 1]
+
+
+def _reference(qkv, starts, lens, scale, dtype=torch.float64) -> torch.Tensor:
+    """Per-sequence SDPA in `dtype`, returned as float64."""
+    out = torch.zeros(qkv.shape[0], qkv.shape[2] * qkv.shape[3], dtype=torch.float64)
+    for s, n in zip(starts, lens, strict=True):
+        q, k, v = qkv[s : s + n].to(dtype).permute(1, 2, 0, 3)  # [3, H, n, D]
+        out[s : s + n] = (
+            F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(0, 1).reshape(n, -1)
+        )
+    return out
+
+
+def _packed(lens: list[int], heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(sum(lens), 3, heads, head_dim, generator=g) * 1.5).to(dtype)
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    return qkv, starts
+
+
+def _run(qkv, starts, lens, scale, first=False):
+    return cpu_kernels.encoder_attention(
+        qkv, torch.tensor(starts), torch.tensor(lens), scale, first_token_only=first
+    )
+
+
+@requires_kernel
+@pytest.mark.parametrize("head_dim,heads", [(32, 3), (64, 2), (128, 1)])
+def test_float32_matches_float64_reference(head_dim, heads):
+    qkv, starts = _packed(SEQ_LENS, heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    out = _run(qkv, starts, SEQ_LENS, scale)
+    ref = _reference(qkv, starts, SEQ_LENS, scale)
+    torch_fp32 = _reference(qkv.double(), starts, SEQ_LENS, scale, dtype=torch.float32)
+    assert out.shape == (sum(SEQ_LENS), heads * head_dim)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= min(1e-5, 2 * (torch_fp32 - ref).abs().max().item()), err
+
+
+@requires_kernel
+def test_bfloat16_is_one_rounding_from_the_reference():
+    qkv, starts = _packed(SEQ_LENS, 4, 32, torch.bfloat16)
+    out = _run(qkv, starts, SEQ_LENS, 0.25)
+    ref = _reference(qkv, starts, SEQ_LENS, 0.25)
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * 2**-8 + 1e-3).all(), err.max().item()
+
+
+@requires_kernel
+def test_first_token_only_gives_each_sequences_first_row():
+    qkv, starts = _packed(SEQ_LENS, 3, 32, torch.float32, seed=1)
+    full = _run(qkv, starts, SEQ_LENS, 0.2)
+    first = _run(qkv, starts, SEQ_LENS, 0.2, first=True)
+    assert first.shape == (len(SEQ_LENS), 96)
+    torch.testing.assert_close(first, full[starts], rtol=0, atol=0)
+
+
+@requires_kernel
+def test_sequences_never_see_each_other_and_threads_do_not_matter():
+    qkv, starts = _packed(SEQ_LENS, 2, 32, torch.float32, seed=2)
+    base = _run(qkv, starts, SEQ_LENS, 0.3)
+    other = qkv.clone()
+    other[starts[1] : starts[1] + SEQ_LENS[1]] += 1.0  # change sequence 1 only
+    changed = _run(other, starts, SEQ_LENS, 0.3)
+    rows = torch.zeros(qkv.shape[0], dtype=torch.bool)
+    rows[starts[1] : starts[1] + SEQ_LENS[1]] = True
+    assert torch.equal(changed[~rows], base[~rows])
+    assert (changed[rows] - base[rows]).abs().max() > 1e-2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(qkv, starts, SEQ_LENS, 0.3)
+        torch.set_num_threads(2)
+        two = _run(qkv, starts, SEQ_LENS, 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    # One (sequence, head) is one task on one thread: the split between threads changes nothing.
+    assert torch.equal(one, base) and torch.equal(two, base)
+
+
+@requires_kernel
+def test_bad_arguments_get_a_clear_error():
+    qkv, starts = _packed([4, 4], 2, 48, torch.float32)
+    with pytest.raises(RuntimeError, match="head_dim must be 32, 64 or 128"):
+        _run(qkv, starts, [4, 4], 0.2)
+    qkv, starts = _packed([4, 4], 2, 32, torch.float16)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        _run(qkv, starts, [4, 4], 0.2)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 6e-2)])
+def test_encoder_on_the_kernel_matches_the_sdpa_path(dtype, atol, tmp_path):
+    """A tiny BERT, the same packed step through the kernel (packed layout) and through SDPA
+    (padded layout): hidden states agree (bfloat16: both round every layer's activations, so
+    differences of a few bf16 ulps at |x| ~ 4 are expected)."""
+    from transformers import BertConfig
+
+    from tidepool.attention.metadata import build_encoder_metadata
+    from tidepool.models.bert import BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=120,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    model = BertModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "LayerNorm.weight" in name else torch.randn_like(p) * 0.1)
+    model = model.to(dtype)
+    lens = [70, 66, 40, 9, 3, 1]
+    ids = torch.randint(0, 120, (sum(lens),))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    meta = build_encoder_metadata(lens, torch.device("cpu"), num_heads=2, dtype=dtype)
+    with torch.inference_mode():
+        fast = model(ids, pos, meta)
+        assert model._cpu_kernel is True
+        fast_cls = model(ids, pos, meta, first_token_only=True)
+        model._cpu_kernel = False
+        slow = model(ids, pos, meta)
+        slow_cls = model(ids, pos, meta, first_token_only=True)
+    assert (fast.float() - slow.float()).abs().max().item() <= atol
+    assert (fast_cls.float() - slow_cls.float()).abs().max().item() <= atol
+    starts = torch.tensor([0, 70, 136, 176, 185, 188])
+    assert (fast_cls.float() - fast[starts].float()).abs().max().item() <= atol
+
+
+@pytest.mark.skipif(
+    not (_has_avx512() and shutil.which(os.environ.get("CXX", "c++"))),
+    reason="only where the kernel can run: x86-64 with AVX-512 and a C++ compiler",
+)
+def test_the_kernel_is_on_by_default_where_it_can_run():
+    assert cpu_kernels.supports(torch.device("cpu"), torch.float32, 32)
+    assert cpu_kernels.supports(torch.device("cpu"), torch.bfloat16, 64)
+    assert not cpu_kernels.supports(torch.device("cpu"), torch.float16, 32)
+    assert not cpu_kernels.supports(torch.device("cpu"), torch.float32, 48)
+
+
+def test_sdpa_setting_turns_it_off(monkeypatch):
+    monkeypatch.setenv("TIDEPOOL_CPU_ATTENTION", "sdpa")
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    assert cpu_kernels.load() is None
+    assert not cpu_kernels.supports(torch.device("cpu"), torch.float32, 32)
+    monkeypatch.setenv("TIDEPOOL_CPU_ATTENTION", "bogus")
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    with pytest.raises(ValueError, match="auto, native or sdpa"):
+        cpu_kernels.load()
