@@ -28,9 +28,11 @@ namespace {
 
 constexpr int64_t kRows = 8;  // query rows per tile
 
+#define TP_INLINE inline __attribute__((always_inline))
+
 // exp(x) for x <= 0 (scores minus the row's maximum): 2^n * p(r), r = x - n ln2, |r| <= ln2/2,
 // degree-6 polynomial; relative error ~2e-7, underflows to 0 below -87.
-inline __m512 exp_ps(__m512 x) {
+TP_INLINE __m512 exp_ps(__m512 x) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
   const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
   const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
@@ -52,14 +54,14 @@ inline __m512 exp_ps(__m512 x) {
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
+TP_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+TP_INLINE __m512 load16(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
+TP_INLINE void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+TP_INLINE void store16(c10::BFloat16* p, __m512 v) {
   // Round to nearest even, as torch's float -> bfloat16 conversion does (no NaN inputs here).
   __m512i bits = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -69,10 +71,41 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 
 struct Scratch {
   std::vector<float> kt;      // [Lp / 32, D, 32] keys, transposed in blocks of 32
-  std::vector<float> v;       // [Lp, D] values
-  std::vector<float> q;       // [kRows, D] one query tile
-  std::vector<float> s;       // [kRows, Lp] scores, then probabilities
+  std::vector<float> v;       // [len, D] values
+  std::vector<float> q;       // [Lr, D] queries, scaled (Lr: q_len rounded up to kRows)
+  std::vector<float> s;       // [Lr, Lp] scores, then probabilities
+  std::vector<float> inv;     // [Lr] 1 / each row's softmax denominator
 };
+
+// 16 x 16 transpose in registers: r[i] holds row i on entry, column i on exit.
+TP_INLINE void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      t[8 * i + k] = _mm512_shuffle_f32x4(u[8 * i + k], u[8 * i + 4 + k], 0x88);
+      t[8 * i + 4 + k] = _mm512_shuffle_f32x4(u[8 * i + k], u[8 * i + 4 + k], 0xDD);
+    }
+  }
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xDD);
+  }
+}
 
 // One (sequence, head): rows [start, start + len) of qkv ([rows, 3, H, D], row stride 3 H D).
 // Query rows 0 .. q_len-1 of the sequence are written to out rows out_start + i (row stride H D).
@@ -83,39 +116,49 @@ void attend(const T* qkv, int64_t H, int64_t start, int64_t len, int64_t q_len, 
   const int64_t row = 3 * H * D;
   const int64_t Lp = (len + 31) / 32 * 32;
   sc.kt.resize(D * Lp);
-  sc.v.resize(Lp * D);
-  sc.q.resize(kRows * D);
-  sc.s.resize(kRows * Lp);
   float* kt = sc.kt.data();
-  float* vb = sc.v.data();
   const T* base = qkv + start * row + h * D;
-  for (int64_t j = 0; j < len; ++j) {
-    const T* k = base + j * row + H * D;
-    const T* v = base + j * row + 2 * H * D;
-    float* ktj = kt + (j / 32) * D * 32 + j % 32;
-    for (int64_t d = 0; d < D; ++d) ktj[d * 32] = to_float(k[d]);
-    for (int64_t c = 0; c < V; ++c) store16(vb + j * D + 16 * c, load16(v + 16 * c));
+  // Keys, 16 at a time: 16 rows x 16 dims transposed in registers into the [D, 32] blocks.
+  for (int64_t j = 0; j < Lp; j += 16) {
+    float* ktb = kt + (j / 32) * D * 32 + j % 32;
+    for (int64_t c = 0; c < V; ++c) {
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = j + i < len ? load16(base + (j + i) * row + H * D + 16 * c) : _mm512_setzero_ps();
+      transpose16(r);
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(ktb + (16 * c + i) * 32, r[i]);
+    }
   }
-  for (int64_t j = len; j < Lp; ++j) {
-    float* ktj = kt + (j / 32) * D * 32 + j % 32;
-    for (int64_t d = 0; d < D; ++d) ktj[d * 32] = 0.0f;
-    for (int64_t d = 0; d < D; ++d) vb[j * D + d] = 0.0f;
-  }
+  // Values contiguous in float32 (read in place, their rows are a page apart: 1.3x slower).
+  sc.v.resize(len * D);
+  float* vb = sc.v.data();
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t c = 0; c < V; ++c)
+      store16(vb + j * D + 16 * c, load16(base + j * row + 2 * H * D + 16 * c));
+  const int64_t Lr = (q_len + kRows - 1) / kRows * kRows;
+  sc.q.resize(Lr * D);
+  sc.s.resize(Lr * Lp);
+  sc.inv.resize(Lr);
   float* qb = sc.q.data();
   float* s = sc.s.data();
+  float* inv = sc.inv.data();
+  // Queries, scaled, all rows before any is used: broadcasting a float out of a vector that was
+  // just stored stalls store forwarding (a per-tile copy made the scores 2x slower).
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t i0 = 0; i0 < q_len; i0 += kRows) {
-    const int64_t rows = std::min(kRows, q_len - i0);
-    for (int64_t r = 0; r < kRows; ++r) {
-      if (r < rows) {
-        const T* q = base + (i0 + r) * row;
-        for (int64_t c = 0; c < V; ++c)
-          store16(qb + r * D + 16 * c, _mm512_mul_ps(load16(q + 16 * c), vscale));
-      } else {
-        for (int64_t d = 0; d < D; ++d) qb[r * D + d] = 0.0f;
-      }
-    }
-    // Scores: [kRows, 32] register tiles over the keys.
+  for (int64_t i = 0; i < Lr; ++i)
+    for (int64_t c = 0; c < V; ++c)
+      store16(qb + i * D + 16 * c,
+              i < q_len ? _mm512_mul_ps(load16(base + i * row + 16 * c), vscale) : _mm512_setzero_ps());
+  // Phase 1, scores S = Q K^T: [kRows, 32] register tiles; the keys (D x Lp) stay in L1 while
+  // every query tile passes over them. Each row's maximum over its real keys goes with it.
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i0 = 0; i0 < Lr; i0 += kRows) {
+    const float* qt = qb + i0 * D;
+    float* st = s + i0 * Lp;
+    __m512 mx[kRows];
+    for (int64_t r = 0; r < kRows; ++r) mx[r] = neg_inf;
     for (int64_t j = 0; j < Lp; j += 32) {
       __m512 acc[kRows][2];
       for (int64_t r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -124,60 +167,62 @@ void attend(const T* qkv, int64_t H, int64_t start, int64_t len, int64_t q_len, 
         const __m512 k0 = _mm512_loadu_ps(ktb + d * 32);
         const __m512 k1 = _mm512_loadu_ps(ktb + d * 32 + 16);
         for (int64_t r = 0; r < kRows; ++r) {
-          const __m512 qv = _mm512_set1_ps(qb[r * D + d]);
+          const __m512 qv = _mm512_set1_ps(qt[r * D + d]);
           acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
           acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
         }
       }
+      const int64_t real = len - j;  // real keys in this block (may exceed 32)
+      const __mmask16 m0 = real >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << real) - 1u);
+      const __mmask16 m1 =
+          real >= 32 ? 0xFFFF : (real <= 16 ? 0 : static_cast<__mmask16>((1u << (real - 16)) - 1u));
       for (int64_t r = 0; r < kRows; ++r) {
-        _mm512_storeu_ps(s + r * Lp + j, acc[r][0]);
-        _mm512_storeu_ps(s + r * Lp + j + 16, acc[r][1]);
+        _mm512_storeu_ps(st + r * Lp + j, acc[r][0]);
+        _mm512_storeu_ps(st + r * Lp + j + 16, acc[r][1]);
+        mx[r] = _mm512_mask_max_ps(mx[r], m0, mx[r], acc[r][0]);
+        mx[r] = _mm512_mask_max_ps(mx[r], m1, mx[r], acc[r][1]);
       }
     }
-    // Softmax per row over the len real keys; padded keys get probability 0.
-    float inv[kRows];
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = s + r * Lp;
-      __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      int64_t j = 0;
-      for (; j + 16 <= len; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + j));
-      const __mmask16 tail = static_cast<__mmask16>((1u << (len - j)) - 1u);
-      if (j < len) m = _mm512_mask_max_ps(m, tail, m, _mm512_loadu_ps(sr + j));
-      const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    // Phase 2 for the tile, while its scores are in L1: softmax over the len real keys.
+    for (int64_t r = 0; r < kRows; ++r) {
+      float* sr = st + r * Lp;
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[r]));
       __m512 sum = _mm512_setzero_ps();
-      for (j = 0; j + 16 <= len; j += 16) {
-        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mx));
+      int64_t j = 0;
+      for (; j + 16 <= len; j += 16) {
+        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
         _mm512_storeu_ps(sr + j, p);
         sum = _mm512_add_ps(sum, p);
       }
       if (j < len) {
-        const __m512 p = _mm512_maskz_mov_ps(tail, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mx)));
+        const __mmask16 tail = static_cast<__mmask16>((1u << (len - j)) - 1u);
+        const __m512 p = _mm512_maskz_mov_ps(tail, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m)));
         _mm512_storeu_ps(sr + j, p);
         sum = _mm512_add_ps(sum, p);
-        j += 16;
       }
-      inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+      inv[i0 + r] = 1.0f / _mm512_reduce_add_ps(sum);
     }
-    // Output: rows in groups that keep 16 accumulators.
-    constexpr int64_t G = 16 / V < kRows ? 16 / V : kRows;
-    for (int64_t g = 0; g < rows; g += G) {
-      const int64_t gr = std::min(G, rows - g);
-      __m512 acc[G][V];
-      for (int64_t r = 0; r < G; ++r)
-        for (int64_t c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < len; ++j) {
-        __m512 vv[V];
-        for (int64_t c = 0; c < V; ++c) vv[c] = _mm512_loadu_ps(vb + j * D + 16 * c);
-        for (int64_t r = 0; r < G; ++r) {
-          const __m512 p = _mm512_set1_ps(s[(g + r) * Lp + j]);
-          for (int64_t c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
-        }
+  }
+  // Phase 3, O = P V / sum: rows in groups that keep 16 accumulators.
+  constexpr int64_t G = 16 / V < kRows ? 16 / V : kRows;
+  for (int64_t g = 0; g < q_len; g += G) {
+    const int64_t gr = std::min(G, q_len - g);
+    __m512 acc[G][V];
+    for (int64_t r = 0; r < G; ++r)
+      for (int64_t c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
+    const float* pg = s + g * Lp;
+    for (int64_t j = 0; j < len; ++j) {
+      __m512 vv[V];
+      for (int64_t c = 0; c < V; ++c) vv[c] = _mm512_loadu_ps(vb + j * D + 16 * c);
+      for (int64_t r = 0; r < G; ++r) {
+        const __m512 p = _mm512_set1_ps(pg[r * Lp + j]);
+        for (int64_t c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
       }
-      for (int64_t r = 0; r < gr; ++r) {
-        const __m512 w = _mm512_set1_ps(inv[g + r]);
-        T* o = out + (out_start + i0 + g + r) * H * D + h * D;
-        for (int64_t c = 0; c < V; ++c) store16(o + 16 * c, _mm512_mul_ps(acc[r][c], w));
-      }
+    }
+    for (int64_t r = 0; r < gr; ++r) {
+      const __m512 w = _mm512_set1_ps(inv[g + r]);
+      T* o = out + (out_start + g + r) * H * D + h * D;
+      for (int64_t c = 0; c < V; ++c) store16(o + 16 * c, _mm512_mul_ps(acc[r][c], w));
     }
   }
 }
@@ -238,10 +283,14 @@ void encoder_attention(const at::Tensor& qkv, const at::Tensor& starts, const at
 
 }  // namespace
 
-TORCH_LIBRARY(tidepool_cpu, m) {
+#ifndef TP_NS
+#define TP_NS tidepool_cpu
+#endif
+
+TORCH_LIBRARY(TP_NS, m) {
   m.def(
       "encoder_attention(Tensor qkv, Tensor starts, Tensor lens, Tensor out_starts, bool first_only, "
       "float scale, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tidepool_cpu, CPU, m) { m.impl("encoder_attention", &encoder_attention); }
+TORCH_LIBRARY_IMPL(TP_NS, CPU, m) { m.impl("encoder_attention", &encoder_attention); }
