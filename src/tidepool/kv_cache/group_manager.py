@@ -1,7 +1,10 @@
-"""Per-group block tables: allocation, freeing, and the two rules that differ by attention type.
+"""Per-group block tables: allocation, freeing, and the rules that differ by attention type.
 
-A subclass overrides only `find_longest_cache_hit` (which cached blocks let a request skip work) and
-`remove_skipped_blocks` (which blocks no future token can attend to). Everything else is shared.
+A subclass overrides `find_longest_cache_hit` (which cached blocks let a request skip work) and
+`remove_skipped_blocks` (which blocks no future token can attend to), and with them what follows
+from the second: how many blocks a request keeps (`get_num_blocks_to_hold`), holds at most while
+a prompt runs in chunks (`get_num_blocks_at_peak`), and may get back from the pool when it drops
+them (`_num_blocks_credited`). Everything else is shared.
 """
 
 from __future__ import annotations
