@@ -39,8 +39,9 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     (
-        "attention (SDPA)",
+        "attention",
         (
+            "tidepool_cpu::encoder_attention",
             "aten::_scaled_dot_product",
             "aten::scaled_dot_product",
             "aten::bmm",

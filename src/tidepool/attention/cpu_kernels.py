@@ -34,7 +34,16 @@ _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_encoder_attenti
 _HEAD_DIMS = (32, 64, 128)
 _DTYPES = (torch.float32, torch.bfloat16)
 # The source is compiled for AVX-512 (F/BW/DQ/VL); load() runs it only where the CPU has them.
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-std=c++17"]
+_CFLAGS = [
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512dq",
+    "-mavx512vl",
+    "-mfma",
+    "-std=c++17",
+    "-fopenmp",
+]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -80,6 +89,9 @@ def _build() -> object | None:
                 name="tidepool_cpu_ops",
                 sources=[str(_SOURCE)],
                 extra_cflags=_CFLAGS,
+                # OpenMP: ATen's parallel_for is a header template, compiled into the kernel; without
+                # it the kernel runs on one thread. libgomp.so.1 resolves to the one torch loaded.
+                extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,
             )

@@ -210,10 +210,16 @@ class BertModel(nn.Module):
         x = self.encoder(x, layout.metadata)
         return x if layout.is_packed else x.index_select(0, layout.slot_of_token)
 
+    def process_weights_after_loading(self) -> None:
+        """Decide the attention path now (device and dtype are final), so that a machine's first
+        run builds the CPU kernel while the model loads, not inside its first request."""
+        self._cpu_kernel = None
+        self._uses_cpu_kernel()
+
     def _uses_cpu_kernel(self) -> bool:
         """tidepool's variable-length CPU attention kernel, where it runs (cpu_kernels.supports:
-        CPU, float32 / bfloat16, head_dim 32/64/128, AVX-512); decided once, on first forward,
-        which also builds the kernel on a machine's first run."""
+        CPU, float32 / bfloat16, head_dim 32/64/128, AVX-512); decided once, after loading (or on
+        the first forward of a model built by hand)."""
         if self._cpu_kernel is None:
             weight = self.embeddings.word_embeddings.weight
             head_dim = self.config.hidden_size // self.config.num_attention_heads
