@@ -190,3 +190,13 @@ def test_sdpa_setting_turns_it_off(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_state", {})
     with pytest.raises(ValueError, match="auto, native or sdpa"):
         cpu_kernels.load()
+
+
+@requires_kernel
+def test_rows_outside_qkv_are_refused():
+    qkv, _ = _packed([4, 4], 2, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="outside qkv"):
+        _run(qkv, [0, 6], [4, 4], 0.2)
+    assert not cpu_kernels.supports(
+        torch.device("cpu"), torch.float32, 32, cpu_kernels.MAX_SEQ_LEN + 1
+    )

@@ -32,6 +32,9 @@ logger = logging.getLogger("tidepool")
 
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_encoder_attention.cpp"
 _HEAD_DIMS = (32, 64, 128)
+# Each thread keeps one sequence's [L, L] float32 scores (L2-sized for encoder lengths: 1 MiB at
+# 512 tokens, 16 MiB at this limit); longer models keep PyTorch's SDPA, which tiles its scores.
+MAX_SEQ_LEN = 2048
 _DTYPES = (torch.float32, torch.bfloat16)
 # The source is compiled for AVX-512 (F/BW/DQ/VL); load() runs it only where the CPU has them.
 _CFLAGS = [
@@ -113,10 +116,17 @@ def load():
     return _state["op"]
 
 
-def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def supports(
+    device: torch.device, dtype: torch.dtype, head_dim: int, max_seq_len: int = MAX_SEQ_LEN
+) -> bool:
     """Whether the kernel handles this case (and is available): CPU, float32 / bfloat16, a head
-    width it was written for."""
-    if device.type != "cpu" or dtype not in _DTYPES or head_dim not in _HEAD_DIMS:
+    width it was written for, sequences of at most MAX_SEQ_LEN tokens."""
+    if (
+        device.type != "cpu"
+        or dtype not in _DTYPES
+        or head_dim not in _HEAD_DIMS
+        or max_seq_len > MAX_SEQ_LEN
+    ):
         return False
     return load() is not None
 

@@ -266,6 +266,15 @@ void encoder_attention(const at::Tensor& qkv, const at::Tensor& starts, const at
                   out_starts.scalar_type() == at::kLong,
               "starts, lens, out_starts must be int64");
   const int64_t D = qkv.size(3);
+  const int64_t num_seqs = starts.size(0);
+  TORCH_CHECK(lens.size(0) == num_seqs && out_starts.size(0) == num_seqs,
+              "starts, lens and out_starts need one entry per sequence");
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_seqs; ++i)
+    TORCH_CHECK(ln[i] >= 1 && ln[i] <= 8192 && st[i] >= 0 && st[i] + ln[i] <= qkv.size(0),
+                "sequence ", i, ": rows ", st[i], " + ", ln[i], " outside qkv's ", qkv.size(0),
+                " rows, or a length outside 1..8192");
   const bool bf16 = qkv.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || qkv.scalar_type() == at::kFloat, "float32 or bfloat16 only");
 #define TP_CASE(DIM)                                                                   \

@@ -218,12 +218,14 @@ class BertModel(nn.Module):
 
     def _uses_cpu_kernel(self) -> bool:
         """tidepool's variable-length CPU attention kernel, where it runs (cpu_kernels.supports:
-        CPU, float32 / bfloat16, head_dim 32/64/128, AVX-512); decided once, after loading (or on
-        the first forward of a model built by hand)."""
+        CPU, float32 / bfloat16, head_dim 32/64/128, positions up to 2,048, AVX-512); decided
+        once, after loading (or on the first forward of a model built by hand)."""
         if self._cpu_kernel is None:
             weight = self.embeddings.word_embeddings.weight
             head_dim = self.config.hidden_size // self.config.num_attention_heads
-            self._cpu_kernel = cpu_kernels.supports(weight.device, weight.dtype, head_dim)
+            self._cpu_kernel = cpu_kernels.supports(
+                weight.device, weight.dtype, head_dim, self.config.max_position_embeddings
+            )
         return self._cpu_kernel
 
     def map_weight_name(self, name: str) -> str | None:
