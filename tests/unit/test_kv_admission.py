@@ -69,13 +69,7 @@ def _step(sched: Scheduler) -> tuple[SchedulerOutput, list]:
 
 
 def _num_reserved(sched: Scheduler) -> int:
-    kv = sched.kv_cache_manager
-    assert kv is not None
-    return sum(
-        kv.get_num_blocks_to_reserve(request, sched._max_prefill_chunk)
-        for request in sched.running
-        if request.pooling_params is not None
-    )
+    return sched._num_blocks_reserved()
 
 
 @pytest.mark.parametrize("uniform", [True, False])
