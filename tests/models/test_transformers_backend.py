@@ -24,6 +24,7 @@ from st_metadata import write_st_metadata
 from tiny_decoders import SIZES, save_tokenizer
 
 from tidepool import LLM, PoolingParams, SamplingParams
+from tidepool.attention import cpu_kernels
 from tidepool.models.transformers_attention import UnsupportedAttentionError
 
 ATOL = 1e-5
@@ -138,12 +139,10 @@ def test_backend_decoder_equals_native(kind, tiny_decoder_llm, tiny_decoder_path
 
 
 def _modernbert_config(**extra) -> transformers.ModernBertConfig:
+    sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
     return transformers.ModernBertConfig(
         vocab_size=30522,
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=3,
-        num_attention_heads=4,
         max_position_embeddings=128,
         initializer_range=0.2,
         local_attention=8,  # layers 1 and 2 see |q - k| <= 4 only
@@ -153,20 +152,18 @@ def _modernbert_config(**extra) -> transformers.ModernBertConfig:
         eos_token_id=102,
         cls_token_id=101,
         sep_token_id=102,
-        **extra,
+        **{**sizes, **extra},
     )
 
 
 def _distilbert_config(**extra) -> transformers.DistilBertConfig:
+    sizes = dict(dim=32, n_heads=4, hidden_dim=64)
     return transformers.DistilBertConfig(
         vocab_size=30522,
-        dim=32,
         n_layers=2,
-        n_heads=4,
-        hidden_dim=64,
         max_position_embeddings=128,
         initializer_range=0.2,
-        **extra,
+        **{**sizes, **extra},
     )
 
 
@@ -189,6 +186,16 @@ ENCODERS = {
     ),
     "modernbert-classifier": lambda: transformers.ModernBertForSequenceClassification(
         _modernbert_config(num_labels=3, classifier_pooling="mean")
+    ),
+}
+# 32-wide heads: these run on tidepool's CPU attention kernel where it is available (ModernBERT's
+# local-attention layers still take the bucketed SDPA path, over the packed rows).
+WIDE_HEAD_ENCODERS = {
+    "distilbert-wide-heads": lambda: transformers.DistilBertModel(
+        _distilbert_config(dim=64, n_heads=2, hidden_dim=128)
+    ),
+    "modernbert-wide-heads": lambda: transformers.ModernBertModel(
+        _modernbert_config(hidden_size=64, num_attention_heads=2, intermediate_size=128)
     ),
 }
 DECODERS = {
@@ -220,10 +227,10 @@ def hf_tiny(tmp_path_factory, minilm_path):
         if kind not in built:
             folder = root / kind
             folder.mkdir()
-            torch.manual_seed(20 + [*ENCODERS, *DECODERS].index(kind))  # fixed per kind
-            if kind in ENCODERS:
+            torch.manual_seed(20 + [*ENCODERS, *DECODERS, *WIDE_HEAD_ENCODERS].index(kind))
+            if kind in ENCODERS or kind in WIDE_HEAD_ENCODERS:
                 copy_bert_tokenizer(minilm_path, folder)
-                model = ENCODERS[kind]()
+                model = {**ENCODERS, **WIDE_HEAD_ENCODERS}[kind]()
             else:
                 prefix, extra = DECODERS[kind]
                 config_cls = getattr(transformers, prefix + "Config")
@@ -242,11 +249,17 @@ def _hf_states(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return body(input_ids=torch.tensor([ids])).last_hidden_state[0]
 
 
-@pytest.mark.parametrize("kind", ["distilbert", "modernbert", "albert", "nomic-bert"])
+@pytest.mark.parametrize(
+    "kind", ["distilbert", "modernbert", "albert", "nomic-bert", *WIDE_HEAD_ENCODERS]
+)
 def test_backend_encoder_matches_transformers(kind, hf_tiny, tiny_texts, report_tolerance):
     folder, hf = hf_tiny(kind)
     llm = LLM(str(folder), device="cpu", dtype="float32")  # auto: no native model
     assert llm.model_config.model_impl == "transformers" and not llm.model_config.is_causal
+    if kind in WIDE_HEAD_ENCODERS:
+        model = llm.engine.model_runner.model
+        llm.embed(tiny_texts[:1], use_tqdm=False)
+        assert model._cpu_kernel == cpu_kernels.supports(torch.device("cpu"), torch.float32, 32)
     outs = llm.encode(tiny_texts, RAW, pooling_task="token_embed", use_tqdm=False)
     for out in outs:
         expected = _hf_states(hf, out.prompt_token_ids)

@@ -58,8 +58,9 @@ def _packed(lens: list[int], heads: int, head_dim: int, dtype: torch.dtype, seed
 
 
 def _run(qkv, starts, lens, scale, first=False):
+    q, k, v = qkv.unbind(1)
     return cpu_kernels.encoder_attention(
-        qkv, torch.tensor(starts), torch.tensor(lens), scale, first_token_only=first
+        q, k, v, torch.tensor(starts), torch.tensor(lens), scale, first_token_only=first
     )
 
 
@@ -195,8 +196,34 @@ def test_sdpa_setting_turns_it_off(monkeypatch):
 @requires_kernel
 def test_rows_outside_qkv_are_refused():
     qkv, _ = _packed([4, 4], 2, 32, torch.float32)
-    with pytest.raises(RuntimeError, match="outside qkv"):
+    with pytest.raises(RuntimeError, match="outside q's"):
         _run(qkv, [0, 6], [4, 4], 0.2)
     assert not cpu_kernels.supports(
         torch.device("cpu"), torch.float32, 32, cpu_kernels.MAX_SEQ_LEN + 1
     )
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_separate_head_major_views_and_grouped_kv_heads(dtype):
+    """q / k / v as [1, heads, tokens, D] tensors seen as [tokens, heads, D] (what Hugging Face
+    attention layers hand over), with 2 key/value heads for 6 query heads: equal to the reference
+    on k / v repeated per query head."""
+    g = torch.Generator().manual_seed(3)
+    total, heads, kv_heads, head_dim = sum(SEQ_LENS), 6, 2, 32
+    query = torch.randn(1, heads, total, head_dim, generator=g).to(dtype)
+    key = torch.randn(1, kv_heads, total, head_dim, generator=g).to(dtype)
+    value = torch.randn(1, kv_heads, total, head_dim, generator=g).to(dtype)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    starts = [0]
+    for n in SEQ_LENS[:-1]:
+        starts.append(starts[-1] + n)
+    out = cpu_kernels.encoder_attention(q, k, v, torch.tensor(starts), torch.tensor(SEQ_LENS), 0.2)
+    repeat = heads // kv_heads
+    qkv = torch.stack([q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)], 1)
+    ref = _reference(qkv, starts, SEQ_LENS, 0.2)
+    err = (out.double() - ref).abs()
+    if dtype == torch.float32:
+        assert err.max().item() <= 1e-5
+    else:
+        assert (err <= ref.abs() * 2**-8 + 1e-3).all(), err.max().item()

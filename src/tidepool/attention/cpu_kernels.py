@@ -31,7 +31,7 @@ from tidepool import envs
 logger = logging.getLogger("tidepool")
 
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_encoder_attention.cpp"
-_HEAD_DIMS = (32, 64, 128)
+HEAD_DIMS = (32, 64, 128)
 # Each thread keeps one sequence's [L, L] float32 scores (L2-sized for encoder lengths: 1 MiB at
 # 512 tokens, 16 MiB at this limit); longer models keep PyTorch's SDPA, which tiles its scores.
 MAX_SEQ_LEN = 2048
@@ -124,7 +124,7 @@ def supports(
     if (
         device.type != "cpu"
         or dtype not in _DTYPES
-        or head_dim not in _HEAD_DIMS
+        or head_dim not in HEAD_DIMS
         or max_seq_len > MAX_SEQ_LEN
     ):
         return False
@@ -132,25 +132,27 @@ def supports(
 
 
 def encoder_attention(
-    qkv: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     seq_starts: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
     first_token_only: bool = False,
 ) -> torch.Tensor:
-    """qkv: [num_tokens, 3, num_heads, head_dim], sequence i at rows seq_starts[i] ..
-    + seq_lens[i] (int64 tensors) → [num_tokens, num_heads * head_dim] (rows outside every
-    sequence are left unset), or with `first_token_only` [num_seqs, num_heads * head_dim]: each
+    """q: [num_tokens, heads, head_dim], k / v: [num_tokens, kv_heads, head_dim] (views with any
+    row and head strides, head_dim contiguous; kv_heads dividing heads), sequence i at rows
+    seq_starts[i] .. + seq_lens[i] (int64 tensors) → [num_tokens, heads * head_dim] (rows outside
+    every sequence are left unset), or with `first_token_only` [num_seqs, heads * head_dim]: each
     sequence's first query only, in sequence order."""
     op = load()
     assert op is not None, "check supports() first"
-    num_tokens, _, num_heads, head_dim = qkv.shape
-    qkv = qkv.contiguous()
+    num_tokens, num_heads, head_dim = q.shape
     if first_token_only:
-        out = qkv.new_empty(seq_starts.shape[0], num_heads * head_dim)
+        out = q.new_empty(seq_starts.shape[0], num_heads * head_dim)
         out_starts = torch.arange(seq_starts.shape[0], dtype=torch.int64)
     else:
-        out = qkv.new_empty(num_tokens, num_heads * head_dim)
+        out = q.new_empty(num_tokens, num_heads * head_dim)
         out_starts = seq_starts
-    op(qkv, seq_starts, seq_lens, out_starts, first_token_only, scale, out)
+    op(q, k, v, seq_starts, seq_lens, out_starts, first_token_only, scale, out)
     return out

@@ -30,7 +30,10 @@ def encoder_attention(
     that nobody reads.
     """
     if meta.varlen:
-        return cpu_kernels.encoder_attention(qkv, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale)
+        q, k, v = qkv.unbind(1)
+        return cpu_kernels.encoder_attention(
+            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale
+        )
     num_tokens, _, num_heads, head_dim = qkv.shape
     if len(meta.buckets) == 1 and meta.buckets[0].valid_slots is None:
         o = _attend_bucket(qkv, meta.buckets[0], scale)
@@ -60,8 +63,9 @@ def encoder_attention_first_tokens(
     row is the one `encoder_attention` gives it.
     """
     if meta.varlen:
+        q, k, v = qkv.unbind(1)
         return cpu_kernels.encoder_attention(
-            qkv, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale, first_token_only=True
+            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale, first_token_only=True
         )
     _, _, num_heads, head_dim = qkv.shape
     outs: list[torch.Tensor] = []

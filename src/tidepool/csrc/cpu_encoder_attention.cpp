@@ -107,17 +107,22 @@ TP_INLINE void transpose16(__m512 r[16]) {
   }
 }
 
-// One (sequence, head): rows [start, start + len) of qkv ([rows, 3, H, D], row stride 3 H D).
-// Query rows 0 .. q_len-1 of the sequence are written to out rows out_start + i (row stride H D).
+// Where one head's rows are: row i of the head starts at ptr + i * row (elements).
+template <typename T>
+struct HeadRows {
+  const T* ptr;
+  int64_t row;
+};
+
+// One (sequence, head): its rows [0, len) of q, k, v. Query rows 0 .. q_len-1 are written to
+// out rows out_start + i (row stride H D, this head's D columns).
 template <typename T, int64_t D>
-void attend(const T* qkv, int64_t H, int64_t start, int64_t len, int64_t q_len, int64_t h,
-            float scale, T* out, int64_t out_start, Scratch& sc) {
+void attend(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, int64_t len, int64_t q_len,
+            int64_t h, float scale, T* out, int64_t out_start, Scratch& sc) {
   constexpr int64_t V = D / 16;  // vectors per head row
-  const int64_t row = 3 * H * D;
   const int64_t Lp = (len + 31) / 32 * 32;
   sc.kt.resize(D * Lp);
   float* kt = sc.kt.data();
-  const T* base = qkv + start * row + h * D;
   // Keys, 16 at a time: 16 rows x 16 dims transposed in registers into the [D, 32] blocks.
   for (int64_t j = 0; j < Lp; j += 16) {
     float* ktb = kt + (j / 32) * D * 32 + j % 32;
@@ -125,7 +130,7 @@ void attend(const T* qkv, int64_t H, int64_t start, int64_t len, int64_t q_len, 
       __m512 r[16];
 #pragma GCC unroll 16
       for (int64_t i = 0; i < 16; ++i)
-        r[i] = j + i < len ? load16(base + (j + i) * row + H * D + 16 * c) : _mm512_setzero_ps();
+        r[i] = j + i < len ? load16(k.ptr + (j + i) * k.row + 16 * c) : _mm512_setzero_ps();
       transpose16(r);
 #pragma GCC unroll 16
       for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(ktb + (16 * c + i) * 32, r[i]);
@@ -136,7 +141,7 @@ void attend(const T* qkv, int64_t H, int64_t start, int64_t len, int64_t q_len, 
   float* vb = sc.v.data();
   for (int64_t j = 0; j < len; ++j)
     for (int64_t c = 0; c < V; ++c)
-      store16(vb + j * D + 16 * c, load16(base + j * row + 2 * H * D + 16 * c));
+      store16(vb + j * D + 16 * c, load16(v.ptr + j * v.row + 16 * c));
   const int64_t Lr = (q_len + kRows - 1) / kRows * kRows;
   sc.q.resize(Lr * D);
   sc.s.resize(Lr * Lp);
@@ -150,7 +155,7 @@ void attend(const T* qkv, int64_t H, int64_t start, int64_t len, int64_t q_len, 
   for (int64_t i = 0; i < Lr; ++i)
     for (int64_t c = 0; c < V; ++c)
       store16(qb + i * D + 16 * c,
-              i < q_len ? _mm512_mul_ps(load16(base + i * row + 16 * c), vscale) : _mm512_setzero_ps());
+              i < q_len ? _mm512_mul_ps(load16(q.ptr + i * q.row + 16 * c), vscale) : _mm512_setzero_ps());
   // Phase 1, scores S = Q K^T: [kRows, 32] register tiles; the keys (D x Lp) stay in L1 while
   // every query tile passes over them. Each row's maximum over its real keys goes with it.
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -227,15 +232,24 @@ void attend(const T* qkv, int64_t H, int64_t start, int64_t len, int64_t q_len, 
   }
 }
 
+// A [rows, heads, D] view with unit stride in D: its row and head strides, in elements.
+struct View {
+  const void* data;
+  int64_t row, head, heads;
+};
+
 template <typename T, int64_t D>
-void run(const at::Tensor& qkv, const at::Tensor& starts, const at::Tensor& lens,
+void run(View q, View k, View v, const at::Tensor& starts, const at::Tensor& lens,
          const at::Tensor& out_starts, bool first_only, double scale, at::Tensor& out) {
-  const int64_t H = qkv.size(2);
+  const int64_t H = q.heads;
+  const int64_t group = q.heads / k.heads;  // query heads per key/value head
   const int64_t num_seqs = starts.size(0);
   const int64_t* st = starts.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
   const int64_t* os = out_starts.data_ptr<int64_t>();
-  const T* q = reinterpret_cast<const T*>(qkv.data_ptr());
+  const T* qp = static_cast<const T*>(q.data);
+  const T* kp = static_cast<const T*>(k.data);
+  const T* vp = static_cast<const T*>(v.data);
   T* o = reinterpret_cast<T*>(out.data_ptr());
   // Longest sequences first, so the last tasks taken are the short ones.
   std::vector<int64_t> order(num_seqs);
@@ -249,39 +263,60 @@ void run(const at::Tensor& qkv, const at::Tensor& starts, const at::Tensor& lens
     for (int64_t w = b; w < e; ++w) {
       for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
         const int64_t i = order[t / H];
-        const int64_t len = ln[i];
-        attend<T, D>(q, H, st[i], len, first_only ? 1 : len, t % H, static_cast<float>(scale), o,
-                     os[i], sc);
+        const int64_t h = t % H, kh = h / group;
+        const int64_t len = ln[i], s0 = st[i];
+        attend<T, D>(HeadRows<T>{qp + s0 * q.row + h * q.head, q.row},
+                     HeadRows<T>{kp + s0 * k.row + kh * k.head, k.row},
+                     HeadRows<T>{vp + s0 * v.row + kh * v.head, v.row}, H, len,
+                     first_only ? 1 : len, h, static_cast<float>(scale), o, os[i], sc);
       }
     }
   });
 }
 
-void encoder_attention(const at::Tensor& qkv, const at::Tensor& starts, const at::Tensor& lens,
-                       const at::Tensor& out_starts, bool first_only, double scale, at::Tensor out) {
-  TORCH_CHECK(qkv.dim() == 4 && qkv.size(1) == 3 && qkv.is_contiguous(),
-              "qkv must be a contiguous [rows, 3, heads, head_dim] tensor");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == qkv.scalar_type(), "out: contiguous, qkv's dtype");
+View as_view(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name,
+              " must be a [rows, heads, head_dim] view with contiguous head_dim");
+  TORCH_CHECK(t.scalar_type() == q.scalar_type() && t.size(0) == q.size(0) && t.size(2) == q.size(2),
+              name, ": same dtype, rows and head_dim as q");
+  return View{t.data_ptr(), t.stride(0), t.stride(1), t.size(1)};
+}
+
+void encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& out_starts,
+                       bool first_only, double scale, at::Tensor out) {
+  const View qv = as_view(q, "q", q), kv = as_view(k, "k", q), vv = as_view(v, "v", q);
+  TORCH_CHECK(kv.heads == vv.heads && kv.heads >= 1 && qv.heads % kv.heads == 0,
+              "k and v need the same number of heads, dividing q's");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == q.scalar_type() &&
+                  out.dim() == 2 && out.size(1) == q.size(1) * q.size(2),
+              "out: contiguous [rows, heads * head_dim] in q's dtype");
   TORCH_CHECK(starts.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
                   out_starts.scalar_type() == at::kLong,
               "starts, lens, out_starts must be int64");
-  const int64_t D = qkv.size(3);
+  const int64_t D = q.size(2);
   const int64_t num_seqs = starts.size(0);
   TORCH_CHECK(lens.size(0) == num_seqs && out_starts.size(0) == num_seqs,
               "starts, lens and out_starts need one entry per sequence");
   const int64_t* ln = lens.data_ptr<int64_t>();
   const int64_t* st = starts.data_ptr<int64_t>();
-  for (int64_t i = 0; i < num_seqs; ++i)
-    TORCH_CHECK(ln[i] >= 1 && ln[i] <= 8192 && st[i] >= 0 && st[i] + ln[i] <= qkv.size(0),
-                "sequence ", i, ": rows ", st[i], " + ", ln[i], " outside qkv's ", qkv.size(0),
+  const int64_t* os = out_starts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK(ln[i] >= 1 && ln[i] <= 8192 && st[i] >= 0 && st[i] + ln[i] <= q.size(0),
+                "sequence ", i, ": rows ", st[i], " + ", ln[i], " outside q's ", q.size(0),
                 " rows, or a length outside 1..8192");
-  const bool bf16 = qkv.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || qkv.scalar_type() == at::kFloat, "float32 or bfloat16 only");
-#define TP_CASE(DIM)                                                                   \
-  if (D == DIM) {                                                                      \
-    if (bf16) run<c10::BFloat16, DIM>(qkv, starts, lens, out_starts, first_only, scale, out); \
-    else run<float, DIM>(qkv, starts, lens, out_starts, first_only, scale, out);       \
-    return;                                                                            \
+    TORCH_CHECK(os[i] >= 0 && os[i] + (first_only ? 1 : ln[i]) <= out.size(0), "sequence ", i,
+                ": output rows outside out's ", out.size(0));
+  }
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "float32 or bfloat16 only");
+#define TP_CASE(DIM)                                                                          \
+  if (D == DIM) {                                                                             \
+    if (bf16)                                                                                 \
+      run<c10::BFloat16, DIM>(qv, kv, vv, starts, lens, out_starts, first_only, scale, out); \
+    else                                                                                      \
+      run<float, DIM>(qv, kv, vv, starts, lens, out_starts, first_only, scale, out);         \
+    return;                                                                                   \
   }
   TP_CASE(32)
   TP_CASE(64)
@@ -298,8 +333,8 @@ void encoder_attention(const at::Tensor& qkv, const at::Tensor& starts, const at
 
 TORCH_LIBRARY(TP_NS, m) {
   m.def(
-      "encoder_attention(Tensor qkv, Tensor starts, Tensor lens, Tensor out_starts, bool first_only, "
-      "float scale, Tensor(a!) out) -> ()");
+      "encoder_attention(Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lens, "
+      "Tensor out_starts, bool first_only, float scale, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(TP_NS, CPU, m) { m.impl("encoder_attention", &encoder_attention); }

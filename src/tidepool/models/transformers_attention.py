@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidepool.attention import cpu_kernels
 from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata
 from tidepool.attention.paged import PagedAttentionMetadata, paged_attention
 
@@ -49,6 +50,9 @@ class EncoderStep:
     """One encoder step: bidirectional attention inside each packed sequence."""
 
     metadata: EncoderAttentionMetadata
+    use_cpu_kernel: bool = False
+    """The metadata is the packed batch (no padded layout) and layers without a sliding window
+    run on tidepool's CPU kernel (attention/cpu_kernels.py); the others on gathered buckets."""
     modules_called: set[int] = field(default_factory=set)
     """id() of each attention module that ran (ALBERT runs one module in every layer)."""
     _band_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -69,6 +73,12 @@ class EncoderStep:
         # [1, H, T, D] → [T, H, D] views (no copy).
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         num_tokens, num_heads, head_dim = q.shape
+        if self.use_cpu_kernel and sliding_window is None and head_dim in cpu_kernels.HEAD_DIMS:
+            meta = self.metadata
+            out = cpu_kernels.encoder_attention(
+                q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale
+            )
+            return out.view(1, num_tokens, num_heads, head_dim)
         buckets = self.metadata.buckets
         if len(buckets) == 1:
             out = self._attend_bucket(q, k, v, buckets[0], scale, sliding_window)

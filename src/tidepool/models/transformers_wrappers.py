@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tidepool.attention import cpu_kernels
 from tidepool.attention.metadata import pad_buckets
 from tidepool.config import ModelConfig
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -152,6 +153,7 @@ class TransformersEncoderModel(nn.Module):
         if config.task == "classify" and classifier_pooling in ("CLS", "MEAN"):
             self.default_pooling_type = classifier_pooling  # ModernBERT pools before its head
         self._head = HeadRunner(hf_model, is_causal=False) if config.task != "embed" else None
+        self._cpu_kernel: bool | None = None
 
     def forward(
         self,
@@ -160,9 +162,16 @@ class TransformersEncoderModel(nn.Module):
         attn_metadata: Any,
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        layout = pad_buckets(attn_metadata)
-        step = EncoderStep(layout.metadata)
-        slots = layout.token_index
+        if self._uses_cpu_kernel():
+            # Packed tokens: the kernel needs no padding; layers it cannot run (a sliding window)
+            # gather their buckets from the packed rows.
+            layout = None
+            step = EncoderStep(attn_metadata, use_cpu_kernel=True)
+            slots = slice(None)
+        else:
+            layout = pad_buckets(attn_metadata)
+            step = EncoderStep(layout.metadata)
+            slots = layout.token_index
         kwargs: dict[str, Any] = {STEP_KWARG: step}
         if self._takes_token_type_ids:
             # Always explicit: HF's default slices a buffer of max_position_embeddings zeros,
@@ -175,7 +184,23 @@ class TransformersEncoderModel(nn.Module):
             input_ids=input_ids[slots][None], position_ids=positions[slots][None], **kwargs
         )
         _check_attention_calls(step, self._num_attention_layers, type(self.hf_model).__name__)
+        if layout is None:
+            return out[0][0]
         return out[0][0].index_select(0, layout.slot_of_token)
+
+    def _uses_cpu_kernel(self) -> bool:
+        """tidepool's CPU attention kernel where it runs (cpu_kernels.supports), decided once."""
+        if self._cpu_kernel is None:
+            config = self.hf_model.config
+            weight = next(self.hf_model.parameters())
+            head_dim = getattr(config, "head_dim", None) or (
+                config.hidden_size // config.num_attention_heads
+            )
+            max_len = int(getattr(config, "max_position_embeddings", 0) or 0)
+            self._cpu_kernel = cpu_kernels.supports(
+                weight.device, weight.dtype, head_dim, max_len or cpu_kernels.MAX_SEQ_LEN
+            )
+        return self._cpu_kernel
 
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         """pooled [num_seqs, hidden] → [num_seqs, num_labels] through the HF classifier."""
