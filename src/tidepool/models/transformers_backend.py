@@ -330,7 +330,9 @@ def build_transformers_model(config: ModelConfig) -> nn.Module:
     _use_packed_linears(hf_model)
     if info.is_causal:
         return TransformersDecoderModel(hf_model, config)
-    return TransformersEncoderModel(hf_model, config, info.position_offset)
+    model = TransformersEncoderModel(hf_model, config, info.position_offset)
+    model.process_weights_after_loading()  # builds the CPU attention kernel now, if it runs here
+    return model
 
 
 class _FlatLinear(Linear):

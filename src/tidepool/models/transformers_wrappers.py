@@ -188,6 +188,12 @@ class TransformersEncoderModel(nn.Module):
             return out[0][0]
         return out[0][0].index_select(0, layout.slot_of_token)
 
+    def process_weights_after_loading(self) -> None:
+        """Decide the attention path once device and dtype are final (a machine's first run
+        builds the CPU kernel while the model loads, not inside its first request)."""
+        self._cpu_kernel = None
+        self._uses_cpu_kernel()
+
     def _uses_cpu_kernel(self) -> bool:
         """tidepool's CPU attention kernel where it runs (cpu_kernels.supports), decided once."""
         if self._cpu_kernel is None:
