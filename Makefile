@@ -10,8 +10,14 @@ test:
 	bash scripts/setup.sh test
 	.venv/bin/python -m pytest -q -p no:cacheprovider
 
+# Style, and types of the engine's core (mypy settings in pyproject.toml); CI runs it after the tests.
+MYPY_PATHS = src/tidepool/core src/tidepool/kv_cache src/tidepool/engine src/tidepool/config.py \
+	src/tidepool/params.py src/tidepool/request.py
+
 lint:
-	.venv/bin/ruff check src tests benchmarks && .venv/bin/ruff format --check src tests benchmarks
+	.venv/bin/ruff check src tests benchmarks
+	.venv/bin/ruff format --check src tests benchmarks
+	.venv/bin/mypy $(MYPY_PATHS)
 
 bench:
 	.venv/bin/python benchmarks/embed_throughput.py
