@@ -1,7 +1,7 @@
 """Engine configuration: frozen dataclasses, built once from the entry point's arguments
 (models/resolve.py's `build_model_config` for the model) and read-only afterwards.
 
-A leaf: this module imports no other tidepool package, so every layer may import it.
+A leaf: of tidepool it imports only devices.py (which imports none), so every layer may import it.
 """
 
 from __future__ import annotations
