@@ -1,50 +1,60 @@
-"""Engine configuration: built once from the entry point's arguments, read-only afterwards."""
+"""Engine configuration: frozen dataclasses, built once from the entry point's arguments
+(models/resolve.py's `build_model_config` for the model) and read-only afterwards.
+
+A leaf: of tidepool it imports only devices.py (which imports none), so every layer may import it.
+"""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tidepool import envs
-from tidepool.models.loader import (
-    SentenceTransformersMeta,
-    load_sentence_transformers_meta,
-    resolve_model_path,
-)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
-
-# Architectures whose positions start after padding_idx (RoBERTa family).
-_ROBERTA_LIKE = ("Roberta", "XLMRoberta", "Camembert")
+from tidepool.devices import device_memory_bytes
 
 
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_dtype: Any) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        # float32 on CPU matches the reference to 1e-6; bfloat16 is opt-in (dtype="bfloat16").
-        return torch.float32
-    if hf_dtype in (torch.float16, torch.bfloat16):
-        return hf_dtype
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+@dataclass(frozen=True)
+class DenseModule:
+    """A sentence-transformers Dense module: y = activation(x @ W.T + b)."""
+
+    weight: torch.Tensor
+    """[out_features, in_features], float32."""
+    bias: torch.Tensor | None
+    """[out_features], or None without a bias."""
+    activation: str
+    """ "identity" or "tanh" (torch.nn.modules.activation.Tanh), ..."""
+
+
+@dataclass(frozen=True)
+class SentenceTransformersMeta:
+    """What the sentence-transformers files of a model folder say; all optional."""
+
+    pooling_mode: str | None = None
+    """"CLS", "MEAN", "LAST", "MAX"... from 1_Pooling/config.json."""
+    include_prompt: bool = True
+    """Pooling covers the prompt's tokens too (1_Pooling/config.json's include_prompt)."""
+    dense: tuple[DenseModule, ...] = ()
+    """The Dense modules after pooling, in order."""
+    normalize: bool = False
+    """A Normalize module follows: embeddings are L2-normalized."""
+    max_seq_length: int | None = None
+    """sentence_bert_config.json's max_seq_length: caps max_model_len."""
+    do_lower_case: bool = False
+    """The tokenizer module lower-cases texts first."""
+    prompts: dict[str, str] = field(default_factory=dict)
+    """Prompt name → text prepended to inputs (config_sentence_transformers.json)."""
+    default_prompt_name: str | None = None
+    """The prompt used when a request names none."""
+    is_sentence_transformer: bool = False
+    """The folder has a modules.json (a sentence-transformers pipeline)."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model: where it is, what it is, what it runs as (models/resolve.py builds it)."""
+
     model: str
     """The name the user gave (a folder or a model id)."""
     path: Path
@@ -56,12 +66,15 @@ class ModelConfig:
     task: str
     """"embed", "classify" (pooling runner) or "generate" (sampling runner)."""
     dtype: torch.dtype
+    """The dtype weights and activations run in."""
     device: torch.device
+    """The torch device the model runs on."""
     max_model_len: int
     """Longest prompt in tokens (special tokens included)."""
     st: SentenceTransformersMeta
     """sentence-transformers metadata (pooling mode, Dense, Normalize, prompts)."""
     seed: int = 0
+    """torch's random seed; the model runner applies it when it starts."""
     is_causal: bool = False
     """Causal (decoder) attention: the model keeps a paged KV cache, chunked prefill and prefix
     caching apply. False for bidirectional encoders, which run each prompt whole in one step."""
@@ -93,6 +106,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """What one engine step may hold."""
+
     max_num_batched_tokens: int = 16384
     """Token budget of one engine step (sum of scheduled tokens)."""
     max_num_seqs: int = 256
@@ -156,8 +171,6 @@ class CacheConfig:
         if self.kv_cache_memory_bytes is not None or self.memory_fraction is not None:
             return self.kv_cache_memory_bytes, self.memory_fraction
         if device.type == "cpu":
-            from tidepool.kv_cache.spec import device_memory_bytes
-
             available, _ = device_memory_bytes(device)
             return min(
                 CPU_DEFAULT_KV_CACHE_BYTES, int(available * CPU_DEFAULT_KV_CACHE_SHARE)
@@ -170,156 +183,3 @@ class EngineConfig:
     model: ModelConfig
     scheduler: SchedulerConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
-
-
-# Causal LMs whose body is not named <prefix>Model (Gemma3Model is the multimodal model).
-_CAUSAL_LM_BODIES = {"Gemma3ForCausalLM": "Gemma3TextModel"}
-
-
-def _base_architecture(arch: str) -> str:
-    if arch in _CAUSAL_LM_BODIES:
-        return _CAUSAL_LM_BODIES[arch]
-    for suffix in (
-        "ForSequenceClassification",
-        "ForMaskedLM",
-        "ForTokenClassification",
-        "ForCausalLM",
-    ):
-        if arch.endswith(suffix):
-            return arch[: -len(suffix)] + "Model"
-    return arch
-
-
-def _resolve_task(
-    arch: str, runner: str, convert: str, model_impl: str = "native"
-) -> tuple[str, str]:
-    """(task, architecture to build) from the checkpoint's architecture and the user's choice.
-
-    *ForCausalLM generates unless a pooling runner or a convert is asked for (then its body
-    embeds, e.g. e5-mistral); *ForSequenceClassification classifies; anything else embeds.
-    """
-    from tidepool.models.registry import has_implementation
-
-    if runner == "generate":
-        if convert != "auto":
-            raise ValueError(f"convert={convert!r} applies to pooling runners, not 'generate'")
-        causal_lm = arch if arch.endswith("ForCausalLM") else None
-        if causal_lm is None and arch.endswith("Model"):
-            lms = {body: lm for lm, body in _CAUSAL_LM_BODIES.items()}
-            causal_lm = lms.get(arch, arch.removesuffix("Model") + "ForCausalLM")
-        if causal_lm is None or not has_implementation(causal_lm, model_impl):
-            raise ValueError(
-                f"runner='generate' is not available for {arch}: it has no language-model head "
-                "in tidepool (generative architectures: *ForCausalLM of Llama, Mistral, Qwen2, "
-                "Qwen3, Gemma2, Gemma3; other *ForCausalLM of transformers with model_impl auto "
-                "or transformers)"
-            )
-        return "generate", causal_lm
-    is_classifier = arch.endswith("ForSequenceClassification")
-    if convert == "embed":
-        return "embed", _base_architecture(arch)
-    if convert == "classify":
-        if not is_classifier:
-            raise ValueError(
-                f"convert='classify' needs a model with a classification head; {arch} has none"
-            )
-        return "classify", arch
-    if is_classifier:
-        return "classify", arch
-    if arch.endswith("ForCausalLM") and runner == "auto":
-        return "generate", arch
-    return "embed", _base_architecture(arch)
-
-
-def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
-    """generation_config.json's eos_token_id (an int or a list), else config.json's."""
-    value = None
-    gen_config = path / "generation_config.json"
-    if gen_config.is_file():
-        value = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
-    if value is None:
-        value = getattr(hf_config, "eos_token_id", None)
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
-
-
-def build_model_config(
-    model: str,
-    *,
-    convert: str = "auto",
-    runner: str = "auto",
-    dtype: str | torch.dtype = "auto",
-    max_model_len: int | None = None,
-    device: str | None = None,
-    seed: int = 0,
-    trust_remote_code: bool = False,
-    model_impl: str = "auto",
-) -> ModelConfig:
-    from transformers import AutoConfig
-
-    from tidepool.models.registry import get_model_class, resolve_model_impl
-
-    if runner not in ("auto", "pooling", "generate"):
-        raise ValueError(f"runner must be auto, pooling or generate, got {runner!r}")
-    if convert not in ("auto", "embed", "classify"):
-        raise ValueError(f"convert must be auto, embed or classify, got {convert!r}")
-    path = resolve_model_path(model)
-    hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs:
-        archs = [f"{type(hf_config).__name__.removesuffix('Config')}Model"]
-    task, arch = _resolve_task(archs[0], runner, convert, model_impl)
-    impl = resolve_model_impl(arch, model_impl)
-    position_offset = None
-    if impl == "transformers":
-        from tidepool.models.transformers_backend import inspect_hf_model
-
-        info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
-        is_causal, position_offset = info.is_causal, info.position_offset
-    else:
-        is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
-
-    st = load_sentence_transformers_meta(path)
-    dev = torch.device(device) if device else _default_device()
-    # transformers 5 names it `dtype`, 4.x `torch_dtype` (reading the old name warns in 5).
-    hf_dtype = hf_config.__dict__.get("dtype", hf_config.__dict__.get("torch_dtype"))
-    torch_dtype = _resolve_dtype(dtype, dev, hf_dtype)
-
-    derived = int(getattr(hf_config, "max_position_embeddings", 512))
-    if position_offset is not None:
-        derived -= position_offset  # the transformers backend read it from the model
-    elif any(arch.startswith(p) for p in _ROBERTA_LIKE):
-        pad = getattr(hf_config, "pad_token_id", None)
-        derived -= (1 if pad is None else int(pad)) + 1  # positions start after padding_idx
-    if st.max_seq_length is not None:
-        derived = min(derived, st.max_seq_length)
-    if max_model_len is None:
-        max_model_len = derived
-    elif max_model_len > derived:
-        raise ValueError(
-            f"max_model_len={max_model_len} is larger than the model allows ({derived} tokens)"
-        )
-    return ModelConfig(
-        model=str(model),
-        path=path,
-        hf_config=hf_config,
-        architecture=arch,
-        task=task,
-        dtype=torch_dtype,
-        device=dev,
-        max_model_len=int(max_model_len),
-        st=st,
-        seed=seed,
-        is_causal=is_causal,
-        eos_token_ids=_eos_token_ids(path, hf_config),
-        model_impl=impl,
-        trust_remote_code=trust_remote_code,
-    )
-
-
-def _default_device() -> torch.device:
-    forced = envs.device()
-    if forced:
-        return torch.device(forced)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

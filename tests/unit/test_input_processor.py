@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tidepool.config import build_model_config
 from tidepool.engine.input_processor import InputProcessor
+from tidepool.models.resolve import build_model_config
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams
 from tidepool.request import Request

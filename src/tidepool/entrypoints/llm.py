@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from tidepool import envs
-from tidepool.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
+from tidepool.config import CacheConfig, EngineConfig, SchedulerConfig
 from tidepool.engine.engine_core import EngineCore, EngineMetrics
 from tidepool.engine.input_processor import InputProcessor
 from tidepool.entrypoints.generation import run_generation
 from tidepool.models.loader import DEFAULT_MODEL
+from tidepool.models.resolve import build_model_config
 from tidepool.outputs import (
     BatchInputError,
     ClassificationRequestOutput,

@@ -23,10 +23,12 @@ uses the first `page_size_bytes` of its row (a strided view, wasting the rest). 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
+
+# Imported into this module's namespace: plan_kv_cache reads it from here (tests patch it here).
+from tidepool.devices import device_memory_bytes
 
 # Fewer layers than this fraction of the largest type -> pad groups to the largest type rather than
 # creating an extra, mostly empty group (vLLM uses the same 1.25 rule).
@@ -177,15 +179,6 @@ class KVCacheConfig:
             )
             for slot in range(self.num_tensor_slots)
         )
-
-
-def device_memory_bytes(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of `device`; for CPU the host's available and total RAM."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total)
-    page = os.sysconf("SC_PAGE_SIZE")
-    return page * os.sysconf("SC_AVPHYS_PAGES"), page * os.sysconf("SC_PHYS_PAGES")
 
 
 def plan_kv_cache(

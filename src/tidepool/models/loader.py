@@ -11,11 +11,13 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 import torch
+
+# The metadata dataclasses are defined in config.py (a leaf, so ModelConfig can name them).
+from tidepool.config import DenseModule, SentenceTransformersMeta
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -116,31 +118,6 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ----------------------------------------------------------------- sentence-transformers
-
-
-@dataclass(frozen=True)
-class DenseModule:
-    """A sentence-transformers Dense module: y = activation(x @ W.T + b)."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    activation: str  # "identity" or "tanh" (torch.nn.modules.activation.Tanh), ...
-
-
-@dataclass(frozen=True)
-class SentenceTransformersMeta:
-    """What the sentence-transformers files of a model folder say; all optional."""
-
-    pooling_mode: str | None = None
-    """"CLS", "MEAN", "LAST", "MAX"... from 1_Pooling/config.json."""
-    include_prompt: bool = True
-    dense: tuple[DenseModule, ...] = ()
-    normalize: bool = False
-    max_seq_length: int | None = None
-    do_lower_case: bool = False
-    prompts: dict[str, str] = field(default_factory=dict)
-    default_prompt_name: str | None = None
-    is_sentence_transformer: bool = False
 
 
 _POOLING_KEYS = (

@@ -1,0 +1,255 @@
+"""From what the user asked for to a ModelConfig: the checkpoint's folder and Hugging Face config,
+the task and the architecture to build, which code builds it, dtype, device, longest prompt.
+
+    model id ──▶ folder (loader) ──▶ config.json (AutoConfig) ──▶ architecture ──▶ (task, arch)
+             ──▶ "native" or "transformers" (registry) ──▶ is_causal, position offset
+             ──▶ + sentence-transformers files, dtype, device, max_model_len ──▶ ModelConfig
+
+Everything that reads the checkpoint or probes the machine lives here, so config.py stays a leaf of
+frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidepool import envs
+from tidepool.config import ModelConfig, SentenceTransformersMeta
+from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
+from tidepool.models.registry import get_model_class, has_implementation, resolve_model_impl
+
+RUNNERS = ("auto", "pooling", "generate")
+CONVERTS = ("auto", "embed", "classify")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+# Architectures whose positions start after padding_idx (RoBERTa family).
+_ROBERTA_LIKE = ("Roberta", "XLMRoberta", "Camembert")
+
+# Causal LMs whose body is not named <prefix>Model (Gemma3Model is the multimodal model).
+_CAUSAL_LM_BODIES = {"Gemma3ForCausalLM": "Gemma3TextModel"}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What runs: the task, the architecture, the code that builds it and what that code says."""
+
+    task: str
+    """"embed", "classify" or "generate"."""
+    architecture: str
+    """The architecture we build (after `convert`)."""
+    model_impl: str
+    """ "native" or "transformers"."""
+    is_causal: bool
+    """Causal (decoder) attention."""
+    position_offset: int | None
+    """Added to 0-based positions, as the transformers backend read it from the model; None for
+    native models (their offset follows from the architecture name)."""
+
+
+def build_model_config(
+    model: str,
+    *,
+    convert: str = "auto",
+    runner: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    max_model_len: int | None = None,
+    device: str | None = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    model_impl: str = "auto",
+) -> ModelConfig:
+    """The ModelConfig of `model` (a folder or a model id found offline); raises ValueError for a
+    choice the model cannot run (a runner without a head, a dtype, a too long max_model_len)."""
+    from transformers import AutoConfig
+
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be auto, pooling or generate, got {runner!r}")
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be auto, embed or classify, got {convert!r}")
+    path = resolve_model_path(model)
+    hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    resolved = resolve_model(hf_config, path, runner, convert, model_impl, trust_remote_code)
+    st = load_sentence_transformers_meta(path)
+    torch_device = torch.device(device) if device else default_device()
+    return ModelConfig(
+        model=str(model),
+        path=path,
+        hf_config=hf_config,
+        architecture=resolved.architecture,
+        task=resolved.task,
+        dtype=resolve_dtype(dtype, torch_device, _checkpoint_dtype(hf_config)),
+        device=torch_device,
+        max_model_len=_resolve_max_model_len(max_model_len, hf_config, resolved, st),
+        st=st,
+        seed=seed,
+        is_causal=resolved.is_causal,
+        eos_token_ids=_eos_token_ids(path, hf_config),
+        model_impl=resolved.model_impl,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def resolve_model(
+    hf_config: Any, path: Path, runner: str, convert: str, model_impl: str, trust_remote_code: bool
+) -> ResolvedModel:
+    """Task, architecture and implementation of a checkpoint; the transformers backend checks
+    that it can run the HF class (on the meta device: nothing allocated)."""
+    task, arch = _resolve_task(_checkpoint_architecture(hf_config), runner, convert, model_impl)
+    impl = resolve_model_impl(arch, model_impl)
+    if impl == "transformers":
+        from tidepool.models.transformers_backend import inspect_hf_model
+
+        info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
+        return ResolvedModel(task, arch, impl, info.is_causal, info.position_offset)
+    is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
+    return ResolvedModel(task, arch, impl, is_causal, None)
+
+
+def _checkpoint_architecture(hf_config: Any) -> str:
+    """config.json's first architecture, else the bare body of its config class."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    return archs[0] if archs else f"{type(hf_config).__name__.removesuffix('Config')}Model"
+
+
+def _base_architecture(arch: str) -> str:
+    if arch in _CAUSAL_LM_BODIES:
+        return _CAUSAL_LM_BODIES[arch]
+    for suffix in (
+        "ForSequenceClassification",
+        "ForMaskedLM",
+        "ForTokenClassification",
+        "ForCausalLM",
+    ):
+        if arch.endswith(suffix):
+            return arch[: -len(suffix)] + "Model"
+    return arch
+
+
+def _resolve_task(
+    arch: str, runner: str, convert: str, model_impl: str = "native"
+) -> tuple[str, str]:
+    """(task, architecture to build) from the checkpoint's architecture and the user's choice.
+
+    *ForCausalLM generates unless a pooling runner or a convert is asked for (then its body
+    embeds, e.g. e5-mistral); *ForSequenceClassification classifies; anything else embeds.
+    """
+    if runner == "generate":
+        return "generate", _causal_lm(arch, convert, model_impl)
+    is_classifier = arch.endswith("ForSequenceClassification")
+    if convert == "embed":
+        return "embed", _base_architecture(arch)
+    if convert == "classify":
+        if not is_classifier:
+            raise ValueError(
+                f"convert='classify' needs a model with a classification head; {arch} has none"
+            )
+        return "classify", arch
+    if is_classifier:
+        return "classify", arch
+    if arch.endswith("ForCausalLM") and runner == "auto":
+        return "generate", arch
+    return "embed", _base_architecture(arch)
+
+
+def _causal_lm(arch: str, convert: str, model_impl: str) -> str:
+    """The *ForCausalLM that generates for `arch` (itself, or the LM of a bare body)."""
+    if convert != "auto":
+        raise ValueError(f"convert={convert!r} applies to pooling runners, not 'generate'")
+    causal_lm = arch if arch.endswith("ForCausalLM") else None
+    if causal_lm is None and arch.endswith("Model"):
+        lms = {body: lm for lm, body in _CAUSAL_LM_BODIES.items()}
+        causal_lm = lms.get(arch, arch.removesuffix("Model") + "ForCausalLM")
+    if causal_lm is None or not has_implementation(causal_lm, model_impl):
+        raise ValueError(
+            f"runner='generate' is not available for {arch}: it has no language-model head "
+            "in tidepool (generative architectures: *ForCausalLM of Llama, Mistral, Qwen2, "
+            "Qwen3, Gemma2, Gemma3; other *ForCausalLM of transformers with model_impl auto "
+            "or transformers)"
+        )
+    return causal_lm
+
+
+def _checkpoint_dtype(hf_config: Any) -> Any:
+    # transformers 5 names it `dtype`, 4.x `torch_dtype` (reading the old name warns in 5).
+    return hf_config.__dict__.get("dtype", hf_config.__dict__.get("torch_dtype"))
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_dtype: Any) -> torch.dtype:
+    """The user's dtype; "auto": float32 on CPU, else the checkpoint's half type or what the GPU
+    supports."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        # float32 on CPU matches the reference to 1e-6; bfloat16 is opt-in (dtype="bfloat16").
+        return torch.float32
+    if hf_dtype in (torch.float16, torch.bfloat16):
+        return hf_dtype
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def default_device() -> torch.device:
+    """TIDEPOOL_DEVICE where set, else CUDA when present, else the CPU."""
+    forced = envs.device()
+    if forced:
+        return torch.device(forced)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _derived_max_model_len(
+    hf_config: Any, resolved: ResolvedModel, st: SentenceTransformersMeta
+) -> int:
+    """The longest prompt the model's positions allow (and sentence-transformers' cap)."""
+    derived = int(getattr(hf_config, "max_position_embeddings", 512))
+    if resolved.position_offset is not None:
+        derived -= resolved.position_offset  # the transformers backend read it from the model
+    elif any(resolved.architecture.startswith(p) for p in _ROBERTA_LIKE):
+        pad = getattr(hf_config, "pad_token_id", None)
+        derived -= (1 if pad is None else int(pad)) + 1  # positions start after padding_idx
+    if st.max_seq_length is not None:
+        derived = min(derived, st.max_seq_length)
+    return derived
+
+
+def _resolve_max_model_len(
+    max_model_len: int | None,
+    hf_config: Any,
+    resolved: ResolvedModel,
+    st: SentenceTransformersMeta,
+) -> int:
+    derived = _derived_max_model_len(hf_config, resolved, st)
+    if max_model_len is None:
+        return derived
+    if max_model_len > derived:
+        raise ValueError(
+            f"max_model_len={max_model_len} is larger than the model allows ({derived} tokens)"
+        )
+    return int(max_model_len)
+
+
+def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an int or a list), else config.json's."""
+    value = None
+    gen_config = path / "generation_config.json"
+    if gen_config.is_file():
+        value = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
+    if value is None:
+        value = getattr(hf_config, "eos_token_id", None)
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)

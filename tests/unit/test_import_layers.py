@@ -1,0 +1,256 @@
+"""The layer rules of issue 13, read statically from the source (no module is imported).
+
+Every `import` counts, also those inside functions: a lazy import still ties the two modules
+together and a cycle through one fails only on some code paths. Imports under `if TYPE_CHECKING:`
+never run, so they count for the layer rules but not for cycles.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = "tidepool"
+MAX_MODULE_LINES = 500
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement of one module."""
+
+    target: str
+    """The imported module's dotted name (a tidepool submodule where `from x import y` names one)."""
+    line: int
+    """Line of the statement in the importing module."""
+    type_only: bool
+    """Under `if TYPE_CHECKING:`: never runs."""
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted((SRC / PACKAGE).rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+class _ImportCollector(ast.NodeVisitor):
+    def __init__(self, module: str, is_package: bool, known: set[str]) -> None:
+        self.package = module if is_package else module.rpartition(".")[0]
+        self.known = known
+        self.imports: list[Import] = []
+        self._type_only = 0
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):
+            self._type_only += 1
+            for child in node.body:
+                self.visit(child)
+            self._type_only -= 1
+            for child in node.orelse:
+                self.visit(child)
+        else:
+            self.generic_visit(node)
+
+    def _add(self, target: str, line: int) -> None:
+        self.imports.append(Import(target, line, self._type_only > 0))
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level:
+            base = self.package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            module = ".".join(base + ([node.module] if node.module else []))
+        else:
+            module = node.module or ""
+        for alias in node.names:
+            submodule = f"{module}.{alias.name}"
+            # `from tidepool.models import bert` imports the module bert, not the package.
+            self._add(submodule if submodule in self.known else module, node.lineno)
+
+
+def _import_graph() -> dict[str, list[Import]]:
+    modules = _modules()
+    known = set(modules)
+    graph: dict[str, list[Import]] = {}
+    for name, path in modules.items():
+        collector = _ImportCollector(name, path.name == "__init__.py", known)
+        collector.visit(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+        graph[name] = collector.imports
+    return graph
+
+
+GRAPH = _import_graph()
+
+
+def _cycles(graph: dict[str, list[Import]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), over runtime imports."""
+    edges = {
+        module: sorted({i.target for i in imports if i.target in graph and not i.type_only})
+        for module, imports in graph.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in edges[module]:
+            if target not in index:
+                connect(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            connect(module)
+    return sorted(components)
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _violations(importer: str, forbidden: tuple[str, ...]) -> list[str]:
+    """`module:line -> target` for every import from a module under `importer` into `forbidden`."""
+    found = {
+        f"{module}:{i.line} -> {i.target}"
+        for module, imports in GRAPH.items()
+        if _within(module, importer)
+        for i in imports
+        if any(_within(i.target, f) for f in forbidden)
+    }
+    return sorted(found)
+
+
+def _layer(importer: str, *forbidden: str, xfail: str | None = None):  # noqa: ANN202
+    marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
+    return pytest.param(importer, forbidden, marks=marks, id=importer)
+
+
+def test_the_walker_sees_lazy_and_relative_imports() -> None:
+    """Guard: a walker that found nothing would pass every rule below."""
+    tree = ast.parse(
+        "from . import envs\nfrom .models.loader import x\n"
+        "def f():\n    import torch\n    from tidepool.models import bert\n"
+        "if TYPE_CHECKING:\n    from tidepool.engine import engine_core\n"
+    )
+    collector = _ImportCollector("tidepool.config", False, set(_modules()))
+    collector.visit(tree)
+    assert [(i.target, i.type_only) for i in collector.imports] == [
+        ("tidepool.envs", False),
+        ("tidepool.models.loader", False),
+        ("torch", False),
+        ("tidepool.models.bert", False),
+        ("tidepool.engine.engine_core", True),
+    ]
+    assert len(GRAPH) > 40 and sum(len(v) for v in GRAPH.values()) > 200
+    assert _cycles({"a": [Import("b", 1, False)], "b": [Import("a", 1, False)]}) == [["a", "b"]]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fixed by issue 13 part 5 (openai/server <-> serving_generate over ERROR_TYPES)",
+)
+def test_no_import_cycles() -> None:
+    assert _cycles(GRAPH) == []
+
+
+def test_no_cycles_among_model_loading() -> None:
+    """config, the resolver, the registry and the transformers backend import downwards only."""
+    models = {m for m in GRAPH if _within(m, "tidepool.models") or m == "tidepool.config"}
+    assert [c for c in _cycles(GRAPH) if set(c) & models] == []
+
+
+@pytest.mark.parametrize(
+    ("importer", "forbidden"),
+    [
+        _layer(
+            "tidepool.config",
+            "tidepool.models",
+            "tidepool.worker",
+            "tidepool.engine",
+            "tidepool.entrypoints",
+        ),
+        _layer(
+            "tidepool.core",
+            "torch",
+            "tidepool.outputs",
+            xfail="fixed by issue 13 part 2 (the scheduler plans, the output processor builds)",
+        ),
+        _layer(
+            "tidepool.models",
+            "tidepool.request",
+            "tidepool.core",
+            "tidepool.engine",
+            "tidepool.entrypoints",
+        ),
+        _layer(
+            "tidepool.attention",
+            "tidepool.request",
+            "tidepool.core",
+            "tidepool.engine",
+            "tidepool.entrypoints",
+        ),
+        _layer(
+            "tidepool.engine",
+            "tidepool.entrypoints",
+            xfail="fixed by issue 13 part 1 (one engine driver in engine/)",
+        ),
+        _layer("tidepool.worker", "tidepool.engine", "tidepool.entrypoints"),
+    ],
+)
+def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
+    assert _violations(importer, forbidden) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fixed by issue 13 parts 1 and 5 (engine driver, jobs/ package, openai/ split)",
+)
+def test_no_module_over_500_lines() -> None:
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}
+
+
+def test_config_is_a_leaf() -> None:
+    """config.py reaches no tidepool module but the leaves envs and devices, which reach none."""
+    leaves = ("tidepool.envs", "tidepool.devices")
+    assert _violations("tidepool.config", (PACKAGE,)) == _violations("tidepool.config", leaves)
+    for leaf in leaves:
+        assert _violations(leaf, (PACKAGE,)) == []
