@@ -170,6 +170,9 @@ class EngineConfig:
     model: ModelConfig
     scheduler: SchedulerConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
+    num_threads: int | None = None
+    """torch intra-op threads, applied when the engine starts; None: the cores this process may
+    run on."""
 
 
 # Causal LMs whose body is not named <prefix>Model (Gemma3Model is the multimodal model).

@@ -10,7 +10,7 @@ import pytest
 from tiny_decoders import save_tokenizer
 
 from tidepool.engine.output_processor import OutputProcessor
-from tidepool.outputs import EngineCoreOutput, Logprob
+from tidepool.core.outputs import EngineCoreOutput
 from tidepool.params import SamplingParams
 
 
@@ -31,7 +31,7 @@ def run(tokenizer, token_ids: list[int], params: SamplingParams, stream: bool, m
     outputs, stopped_at = [], None
     for step, token_id in enumerate(token_ids[:max_steps]):
         finish = "length" if step == max_steps - 1 else None
-        logprobs = [{token_id: Logprob(-0.5, 1)}] if params.logprobs is not None else None
+        logprobs = [[(token_id, -0.5, 1)]] if params.logprobs is not None else None
         out = EngineCoreOutput("r", [token_id], logprobs, finish)
         results, to_stop = processor.process([out])
         outputs += results
