@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tidepool.config import SchedulerConfig
-from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.core.causal_scheduler import CausalScheduler
+from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.kv_cache import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from tidepool.config import SchedulerConfig
-from tidepool.core.sched_output import ModelRunnerOutput, SampledToken
 from tidepool.core.causal_scheduler import CausalScheduler
+from tidepool.core.sched_output import ModelRunnerOutput, SampledToken
 from tidepool.kv_cache import (
     FullAttentionSpec,
     KVCacheManager,

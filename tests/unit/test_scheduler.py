@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tidepool.config import SchedulerConfig
-from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.core.causal_scheduler import CausalScheduler
 from tidepool.core.outputs import EngineCoreOutput, PoolingCoreOutput
+from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.core.scheduler import EncoderScheduler
 from tidepool.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheManager
 from tidepool.params import PoolingParams, SamplingParams

@@ -133,7 +133,7 @@ class InputProcessor:
             else:
                 texts.setdefault(max_len, []).append(i)
         for max_len, indices in texts.items():
-            batch = [self._prepare_text(parsed[i].text) for i in indices]  # type: ignore[union-attr]
+            batch = [self._prepare_text(parsed[i].text) for i in indices]  # type: ignore[union-attr, arg-type]
             enc = self._tokenize(batch, None, max_len)
             for j, i in enumerate(indices):
                 types = enc["token_type_ids"][j] if "token_type_ids" in enc else None

@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -42,12 +42,14 @@ from tidepool.request import Request
 logger = logging.getLogger("tidepool")
 
 Output = PoolingRequestOutput | RequestOutput
+OutputT_contra = TypeVar("OutputT_contra", contravariant=True)
 
 
-class OutputSink(Protocol):
-    """Where the outputs of one caller's requests go (called on the driver's thread)."""
+class OutputSink(Protocol[OutputT_contra]):
+    """Where the outputs of one caller's requests go (called on the driver's thread); a sink
+    takes the outputs of the kind of requests it routes (pooled or generated)."""
 
-    def add_output(self, out: Output) -> None:
+    def add_output(self, out: OutputT_contra) -> None:
         """An output of one of its requests: a pooled result, a generated request's final
         output, or (streamed) a delta; `out.finished` marks the request's last one."""
 
@@ -97,7 +99,7 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config)
         self.output_processor = OutputProcessor(detokenizer)
-        self._sink_of: dict[str, OutputSink] = {}
+        self._sink_of: dict[str, OutputSink[Any]] = {}
         """request_id → its caller's sink, for every unfinished request."""
 
     @property
@@ -116,7 +118,7 @@ class LLMEngine:
     def add_request(
         self,
         request: Request,
-        sink: OutputSink,
+        sink: OutputSink[Any],
         *,
         prompt: str | None = None,
         index: int = 0,
@@ -164,7 +166,7 @@ class LLMEngine:
             sinks = dict.fromkeys(self._sink_of[request_id] for request_id in failed)
             self._fail_sinks(sinks, str(exc), exc.__cause__)
             return StepRecord(0, 0, time.perf_counter() - start, failed=True)
-        touched: dict[OutputSink, None] = {}
+        touched: dict[OutputSink[Any], None] = {}
         generated: list[EngineCoreOutput] = []
         num_pooled_tokens = 0
         for out in core_outputs:
@@ -191,7 +193,7 @@ class LLMEngine:
         return StepRecord(len(core_outputs), num_tokens, seconds, num_finished)
 
     def _route_generated(
-        self, core_outputs: list[EngineCoreOutput], touched: dict[OutputSink, None]
+        self, core_outputs: list[EngineCoreOutput], touched: dict[OutputSink[Any], None]
     ) -> int:
         """Detokenize the step's tokens, stop the requests a stop string ended (their blocks are
         freed before the next step), hand the outputs on; returns how many finished."""
@@ -210,7 +212,7 @@ class LLMEngine:
         return num_finished
 
     def _fail_sinks(
-        self, sinks: dict[OutputSink, None], why: str, cause: BaseException | None
+        self, sinks: dict[OutputSink[Any], None], why: str, cause: BaseException | None
     ) -> None:
         # A caller's other requests are useless once one failed: abort them too.
         for request_id in [r for r, sink in self._sink_of.items() if sink in sinks]:
@@ -272,7 +274,7 @@ class _BatchCollector:
 
     def start_progress(self, use_tqdm: bool) -> None:
         if use_tqdm and len(self.slot_of) > 1:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
             self.pbar = tqdm(total=len(self.slot_of), desc="Processed prompts", dynamic_ncols=True)
 

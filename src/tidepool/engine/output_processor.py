@@ -240,8 +240,8 @@ class OutputProcessor:
         found = find_stop_string(
             state.text,
             len(new_text),
-            params.stop,
-            params.include_stop_str_in_output,  # type: ignore[arg-type]
+            params.stop,  # type: ignore[arg-type]
+            params.include_stop_str_in_output,
         )
         if found is None:
             return None

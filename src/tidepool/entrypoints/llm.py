@@ -415,7 +415,7 @@ class LLM:
             elif results[i] is None:
                 results[i] = out  # type: ignore[assignment]
             else:
-                results[i].outputs.extend(out.outputs)  # type: ignore[union-attr]
+                results[i].outputs.extend(out.outputs)  # type: ignore[union-attr, arg-type]
         for result in results:
             if result is not None:
                 result.outputs.sort(key=lambda c: c.index)
