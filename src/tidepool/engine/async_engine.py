@@ -18,8 +18,9 @@ RequestOutputs each step produced for the caller. The engine thread runs the Out
 as soon as a stop string ends it, and hands the caller one list per step (one
 `call_soon_threadsafe` per caller and step, not per token):
 
-    engine thread: step() → EngineCoreOutputs → OutputProcessor → deltas ──▶ caller's asyncio.Queue
-                                                 stop string → stop_request      (one put per step)
+    engine thread: LLMEngine.step() → EngineCoreOutputs → OutputProcessor → deltas ──▶ the
+                                        stop string → stop_request   caller's asyncio.Queue
+                                                                     (one put per step)
 
 Pooling requests keep their single-future path (a caller's future resolves when its last
 request finished).
