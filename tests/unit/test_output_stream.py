@@ -85,7 +85,9 @@ def test_spaces_between_special_tokens(tokenizer, skip_special_tokens: bool) -> 
 
     bos = "" if skip_special_tokens else tokenizer.bos_token + " "
     assert text(spaced=True) == f"hello world {bos}hello world"
-    assert text(spaced=False) == tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    assert text(spaced=False) == tokenizer.decode(
+        token_ids, skip_special_tokens=skip_special_tokens
+    )
     params = SamplingParams(spaces_between_special_tokens=False, skip_special_tokens=False)
     processor = OutputProcessor(tokenizer)
     processor._fast = False  # the slow-tokenizer path

@@ -3,7 +3,8 @@ flags) and the frozen EngineConfig they build."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import logging
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -11,6 +12,8 @@ import torch
 from tidepool import envs
 from tidepool.config import CacheConfig, EngineConfig, SchedulerConfig, build_model_config
 from tidepool.models.loader import DEFAULT_MODEL
+
+logger = logging.getLogger("tidepool")
 
 ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
@@ -120,3 +123,44 @@ def build_engine_config(model: str = DEFAULT_MODEL, **engine_args: Any) -> Engin
     """The engine configuration from `LLM`'s arguments (`EngineArgs`); shared with the server's
     AsyncEngine."""
     return EngineArgs(**engine_args).to_engine_config(model)
+
+
+# vLLM arguments that mean nothing here; accepted (and ignored) so code ports unchanged.
+_IGNORED_VLLM_ARGS = {
+    "enforce_eager",
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+    "disable_log_stats",
+    "swap_space",
+    "task",
+}
+
+
+def _wants_gpu(device: str | None) -> bool:
+    return (device or "").startswith("cuda") or (
+        device is None and envs.device() is None and torch.cuda.is_available()
+    )
+
+
+def engine_args_from_vllm(kwargs: dict[str, Any]) -> EngineArgs:
+    """`LLM(**kwargs)`'s engine arguments: EngineArgs' fields, and vLLM arguments that mean nothing
+    here (ignored and logged, so vLLM code ports unchanged) except `gpu_memory_utilization`,
+    which sizes the KV cache on a GPU when nothing else does. TypeError for any other name."""
+    unknown = set(kwargs) - ENGINE_ARG_NAMES - _IGNORED_VLLM_ARGS
+    if unknown:
+        raise TypeError(f"LLM() got unexpected arguments: {sorted(unknown)}")
+    kwargs = dict(kwargs)
+    ignored = {name: kwargs.pop(name) for name in _IGNORED_VLLM_ARGS & kwargs.keys()}
+    engine_args = EngineArgs(**kwargs)
+    if (
+        engine_args.kv_cache_memory_fraction is None
+        and engine_args.kv_cache_memory_bytes is None
+        and "gpu_memory_utilization" in ignored
+        # vLLM's knob sizes the KV cache on a GPU; on a CPU it means nothing (as in vLLM).
+        and _wants_gpu(engine_args.device)
+    ):
+        memory_fraction = float(ignored.pop("gpu_memory_utilization"))
+        engine_args = replace(engine_args, kv_cache_memory_fraction=memory_fraction)
+    if ignored:
+        logger.info("ignoring vLLM arguments that do not apply here: %s", sorted(ignored))
+    return engine_args

@@ -7,21 +7,17 @@ engine/pooling.py, shared with the server.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
-from tidepool import envs
 from tidepool.config import ModelConfig
 from tidepool.engine.args import (
     CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS,
     ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    ENGINE_ARG_NAMES,
     EngineArgs,
     build_engine_config,
+    engine_args_from_vllm,
 )
 from tidepool.engine.engine_core import EngineCore, EngineMetrics
 from tidepool.engine.generation_stream import GenerationInput
@@ -58,18 +54,6 @@ __all__ = [
     "build_engine_config",
 ]
 
-logger = logging.getLogger("tidepool")
-
-# vLLM arguments that mean nothing here; accepted (and ignored) so code ports unchanged.
-_IGNORED_VLLM_ARGS = {
-    "enforce_eager",
-    "gpu_memory_utilization",
-    "tensor_parallel_size",
-    "disable_log_stats",
-    "swap_space",
-    "task",
-}
-
 PromptsArg = Any  # str | dict | Sequence[str | dict]
 
 
@@ -93,12 +77,6 @@ def _prompt_text(prompt: Any) -> str | None:
     return None
 
 
-def _wants_gpu(device: str | None) -> bool:
-    return (device or "").startswith("cuda") or (
-        device is None and envs.device() is None and torch.cuda.is_available()
-    )
-
-
 class LLM:
     """An engine for offline use. `LLM()` loads the bundled default all-MiniLM-L6-v2."""
 
@@ -111,23 +89,7 @@ class LLM:
         4 GiB on CPU (at most a quarter of the free memory), `gpu_memory_utilization` (default
         0.9) on a GPU. Sliding-window layers keep only the blocks inside their window unless
         `disable_hybrid_kv_cache_manager` is set."""
-        unknown = set(kwargs) - ENGINE_ARG_NAMES - _IGNORED_VLLM_ARGS
-        if unknown:
-            raise TypeError(f"LLM() got unexpected arguments: {sorted(unknown)}")
-        ignored = {name: kwargs.pop(name) for name in _IGNORED_VLLM_ARGS & kwargs.keys()}
-        engine_args = EngineArgs(**kwargs)
-        if (
-            engine_args.kv_cache_memory_fraction is None
-            and engine_args.kv_cache_memory_bytes is None
-            and "gpu_memory_utilization" in ignored
-            # vLLM's knob sizes the KV cache on a GPU; on a CPU it means nothing (as in vLLM).
-            and _wants_gpu(engine_args.device)
-        ):
-            memory_fraction = float(ignored.pop("gpu_memory_utilization"))
-            engine_args = replace(engine_args, kv_cache_memory_fraction=memory_fraction)
-        if ignored:
-            logger.info("ignoring vLLM arguments that do not apply here: %s", sorted(ignored))
-        self.config = engine_args.to_engine_config(model)
+        self.config = engine_args_from_vllm(kwargs).to_engine_config(model)
         self.input_processor = InputProcessor(self.config.model)
         self.llm_engine = LLMEngine(self.config, detokenizer=self.input_processor.tokenizer)
         self._eos_token_ids = eos_token_ids(self.config.model, self.input_processor.tokenizer)
