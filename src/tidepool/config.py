@@ -181,5 +181,11 @@ class CacheConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
+    """What runs: the resolved model, its task, dtype, device and length limit."""
     scheduler: SchedulerConfig
+    """How steps are filled: token budget, sequence limit, chunked prefill."""
     cache: CacheConfig = field(default_factory=CacheConfig)
+    """The paged KV cache of causal models (unused by encoders)."""
+    num_threads: int | None = None
+    """torch intra-op threads, applied when the engine starts; None: the cores this process may
+    run on."""

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The engine core's per-step result of a generating request; defined in core/, kept importable here.
+from tidepool.core.outputs import EngineCoreOutput as EngineCoreOutput
+
 
 @dataclass
 class PoolingOutput:
@@ -130,22 +133,6 @@ class RequestOutput:
     def finish_reason(self) -> str | None:
         """The first completion's finish reason (a shortcut for `outputs[0].finish_reason`)."""
         return self.outputs[0].finish_reason if self.outputs else None
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one generating request (engine core → output processor)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: SampleLogprobs | None = None
-    """Token ids only; the output processor fills in decoded_token."""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

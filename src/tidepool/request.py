@@ -27,11 +27,8 @@ class Request:
     """Segment ids for pair inputs (BERT cross-encoders); None = all zeros."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
-    arrival_index: int = field(default=0, compare=False)
     output_token_ids: list[int] = field(default_factory=list)
     """Tokens generated so far (empty for pooling requests)."""
-    cache_salt: str | None = None
-    """Mixed into the first block hash: requests with different salts never share cached blocks."""
     block_hashes: list[bytes] = field(default_factory=list, compare=False, repr=False)
     """Chained hashes of the full blocks of `all_token_ids`, kept up to date by the KV-cache manager."""
     sampling_params: SamplingParams | None = None

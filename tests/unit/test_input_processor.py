@@ -36,7 +36,6 @@ def test_texts_tokenize_like_the_tokenizer_in_order(bert):
     expected = bert.tokenizer(TEXTS)["input_ids"]
     assert all(isinstance(r, Request) for r in requests)
     assert [r.prompt_token_ids for r in requests] == expected
-    assert [r.arrival_index for r in requests] == list(range(len(TEXTS)))
     assert len({r.request_id for r in requests}) == len(TEXTS)
     # Single texts have all-zero token types: dropped, the model adds type 0 itself.
     assert all(r.token_type_ids is None for r in requests)
@@ -69,7 +68,6 @@ def test_truncation_keeps_special_tokens_and_order(bert):
     for r in results:
         assert r.prompt_token_ids[0] == bert.tokenizer.cls_token_id
         assert r.prompt_token_ids[-1] == bert.tokenizer.sep_token_id
-    assert [r.arrival_index for r in results] == list(range(5))
 
 
 def test_length_check_and_truncation_limit(bert):

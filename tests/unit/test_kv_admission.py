@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tidepool.config import SchedulerConfig
+from tidepool.core.causal_scheduler import CausalScheduler
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
-from tidepool.core.scheduler import Scheduler
 from tidepool.kv_cache import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -44,16 +44,16 @@ def _kv(uniform: bool, num_blocks: int, window: int = WINDOW, block_size: int = 
 
 def _scheduler(
     uniform: bool, num_blocks: int, budget: int, chunk: int, max_num_seqs: int = 64
-) -> Scheduler:
+) -> CausalScheduler:
     config = SchedulerConfig(budget, max_num_seqs, long_prefill_token_threshold=chunk)
-    return Scheduler(config, _kv(uniform, num_blocks), max_model_len=10_000)
+    return CausalScheduler(config, _kv(uniform, num_blocks), max_model_len=10_000)
 
 
 def _pool(request_id: str, num_prompt: int, first: int) -> Request:
     return Request(request_id, list(range(first, first + num_prompt)), PoolingParams(task="embed"))
 
 
-def _step(sched: Scheduler) -> tuple[SchedulerOutput, list]:
+def _step(sched: CausalScheduler) -> tuple[SchedulerOutput, list]:
     """One step with a fake runner: requests whose tokens reach their end get an output."""
     out = sched.schedule()
     runner_out = ModelRunnerOutput()
@@ -68,7 +68,7 @@ def _step(sched: Scheduler) -> tuple[SchedulerOutput, list]:
     return out, sched.update(out, runner_out)
 
 
-def _num_reserved(sched: Scheduler) -> int:
+def _num_reserved(sched: CausalScheduler) -> int:
     return sched._num_blocks_reserved()
 
 
@@ -99,7 +99,7 @@ def test_a_prompt_waits_until_its_peak_fits_beside_the_prompts_in_progress(unifo
     assert sched.stats.num_preemptions == 0
 
 
-def _run_all(sched: Scheduler, requests: list[Request]) -> tuple[set[str], list[int]]:
+def _run_all(sched: CausalScheduler, requests: list[Request]) -> tuple[set[str], list[int]]:
     """Run every request to its end; (ids that produced an output, running count per step).
     Checks after every step that the reservations fit in the free blocks, that a step that
     admits nobody does not lower the free blocks outside them, and that no request holds more

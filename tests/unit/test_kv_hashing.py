@@ -45,15 +45,6 @@ def test_only_full_blocks_are_hashed_and_updates_are_incremental() -> None:
     assert hashes == update_block_hashes(_request(list(range(13))), 4)
 
 
-def test_cache_salt_changes_every_hash_through_the_chain() -> None:
-    plain = update_block_hashes(_request(list(range(8))), 4)
-    salted = update_block_hashes(_request(list(range(8)), cache_salt="user-a"), 4)
-    other = update_block_hashes(_request(list(range(8)), cache_salt="user-b"), 4)
-    assert all(a != b for a, b in zip(plain, salted, strict=True))
-    assert salted[1] != other[1]
-    assert salted == update_block_hashes(_request(list(range(8)), cache_salt="user-a"), 4)
-
-
 def test_token_type_ids_count_only_when_non_zero() -> None:
     plain = update_block_hashes(_request(list(range(8))), 4)
     zeros = update_block_hashes(_request(list(range(8)), token_type_ids=[0] * 8), 4)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from tidepool.config import SchedulerConfig
+from tidepool.core.causal_scheduler import CausalScheduler
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken
-from tidepool.core.scheduler import Scheduler
 from tidepool.kv_cache import (
     FullAttentionSpec,
     KVCacheManager,
@@ -38,10 +38,10 @@ BYTES_PER_UNIFORM_BLOCK = 8 * LAYERS["layers.1"].page_size_bytes
 BLOCKS_PER_REQUEST = (PROMPT_LEN + OUTPUT_LEN) // BLOCK_SIZE  # 33
 
 
-def _scheduler(uniform: bool, num_requests: float = 4, budget: int = 256) -> Scheduler:
+def _scheduler(uniform: bool, num_requests: float = 4, budget: int = 256) -> CausalScheduler:
     kv_bytes = int((num_requests * BLOCKS_PER_REQUEST + 1) * BYTES_PER_UNIFORM_BLOCK)
     config = plan_kv_cache(group_layers(LAYERS, uniform=uniform), kv_bytes)
-    return Scheduler(
+    return CausalScheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64),
         KVCacheManager(config),
         max_model_len=PROMPT_LEN + OUTPUT_LEN,
@@ -56,7 +56,7 @@ def _request(index: int, pooling: bool) -> Request:
     return Request(str(index), prompt, sampling_params=params, eos_token_ids=(2,))
 
 
-def _run_all(sched: Scheduler, num_requests: int, pooling: bool = False) -> list[int]:
+def _run_all(sched: CausalScheduler, num_requests: int, pooling: bool = False) -> list[int]:
     """Requests running after each schedule(), until every request finished."""
     for index in range(num_requests):
         sched.add_request(_request(index, pooling))

@@ -139,14 +139,6 @@ def test_decode_allocates_a_block_every_block_size_tokens_and_caches_outputs() -
     assert hit.blocks.get_block_ids() == ([1, 2],)
 
 
-def test_lookahead_slots_are_allocated_but_not_cached() -> None:
-    kv = _manager()
-    request = _request("r", list(range(4)))
-    new_blocks = kv.allocate_slots(request, 4, num_lookahead_tokens=4)
-    assert new_blocks is not None and new_blocks.get_block_ids() == ([1, 2],)
-    assert kv.block_pool.num_cached_blocks == 1
-
-
 def test_preempted_request_hits_its_own_blocks_on_resume() -> None:
     kv = _manager()
     request = _request("r", list(range(10)))
@@ -158,15 +150,6 @@ def test_preempted_request_hits_its_own_blocks_on_resume() -> None:
     new_blocks = kv.allocate_slots(request, 2, hit.blocks)
     assert new_blocks is not None and new_blocks.get_block_ids() == ([4],)
     assert kv.get_block_ids("r") == ([1, 2, 4],)
-
-
-def test_cache_salt_isolates_requests() -> None:
-    kv = _manager()
-    _prefill(kv, _request("a", list(range(10)), cache_salt="alice"))
-    hit = kv.get_computed_blocks
-    assert hit(_request("b", list(range(10)), cache_salt="bob")).num_computed_tokens == 0
-    assert hit(_request("c", list(range(10)))).num_computed_tokens == 0
-    assert hit(_request("d", list(range(10)), cache_salt="alice")).num_computed_tokens == 8
 
 
 def test_prefix_cache_stats_count_tokens() -> None:

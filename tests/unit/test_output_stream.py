@@ -9,8 +9,8 @@ import random
 import pytest
 from tiny_decoders import save_tokenizer
 
+from tidepool.core.outputs import EngineCoreOutput
 from tidepool.engine.output_processor import OutputProcessor
-from tidepool.outputs import EngineCoreOutput, Logprob
 from tidepool.params import SamplingParams
 
 
@@ -31,7 +31,7 @@ def run(tokenizer, token_ids: list[int], params: SamplingParams, stream: bool, m
     outputs, stopped_at = [], None
     for step, token_id in enumerate(token_ids[:max_steps]):
         finish = "length" if step == max_steps - 1 else None
-        logprobs = [{token_id: Logprob(-0.5, 1)}] if params.logprobs is not None else None
+        logprobs = [[(token_id, -0.5, 1)]] if params.logprobs is not None else None
         out = EngineCoreOutput("r", [token_id], logprobs, finish)
         results, to_stop = processor.process([out])
         outputs += results
@@ -68,3 +68,29 @@ def test_deltas_concatenate_to_the_final_output(tokenizer, include_stop: bool) -
             expected.finish_reason,
             expected.stop_reason,
         )
+
+
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+def test_spaces_between_special_tokens(tokenizer, skip_special_tokens: bool) -> None:
+    """The window detokenizer (slow tokenizers) puts a space on each side of an added token, as
+    transformers 4's slow tokenizers did; off, the text is the plain decode."""
+    from tidepool.engine.output_processor import _WindowDetokenizer
+
+    words = tokenizer("hello world", add_special_tokens=False)["input_ids"]
+    token_ids = [*words, tokenizer.bos_token_id, *words]
+
+    def text(spaced: bool) -> str:
+        detokenizer = _WindowDetokenizer(tokenizer, [6, 7], skip_special_tokens, spaced)
+        return "".join(detokenizer.add([t]) for t in token_ids)
+
+    bos = "" if skip_special_tokens else tokenizer.bos_token + " "
+    assert text(spaced=True) == f"hello world {bos}hello world"
+    assert text(spaced=False) == tokenizer.decode(
+        token_ids, skip_special_tokens=skip_special_tokens
+    )
+    params = SamplingParams(spaces_between_special_tokens=False, skip_special_tokens=False)
+    processor = OutputProcessor(tokenizer)
+    processor._fast = False  # the slow-tokenizer path
+    processor.add_request("r", None, [6, 7], params)
+    [out], _ = processor.process([EngineCoreOutput("r", token_ids, None, "length")])
+    assert out.outputs[0].text == tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from tidepool.config import SchedulerConfig
+from tidepool.core.causal_scheduler import CausalScheduler
+from tidepool.core.outputs import EngineCoreOutput, PoolingCoreOutput
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
-from tidepool.core.scheduler import Scheduler
+from tidepool.core.scheduler import EncoderScheduler
 from tidepool.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheManager
-from tidepool.outputs import EngineCoreOutput, PoolingRequestOutput
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request, RequestStatus
 
@@ -29,7 +30,7 @@ def _scheduler(
     chunked: bool = True,
     max_model_len: int = 1000,
     long_prefill: int = 0,
-) -> Scheduler:
+) -> CausalScheduler:
     kv = KVCacheManager(KVCacheConfig(num_blocks, (KVCacheGroup(SPEC, ("layers.0",)),)), caching)
     config = SchedulerConfig(
         budget,
@@ -37,7 +38,7 @@ def _scheduler(
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=long_prefill,
     )
-    return Scheduler(config, kv, max_model_len)
+    return CausalScheduler(config, kv, max_model_len)
 
 
 def _gen(request_id: str, num_prompt: int, first: int = 100, **params) -> Request:
@@ -55,7 +56,7 @@ def _pool(request_id: str, num_prompt: int, first: int = 100) -> Request:
     return Request(request_id, list(range(first, first + num_prompt)), PoolingParams(task="embed"))
 
 
-def _run(sched: Scheduler, token: int = NEXT_TOKEN) -> tuple[SchedulerOutput, list]:
+def _run(sched: CausalScheduler, token: int = NEXT_TOKEN) -> tuple[SchedulerOutput, list]:
     """One step with a fake runner: every request whose tokens reach its end samples `token`."""
     out = sched.schedule()
     runner_out = ModelRunnerOutput()
@@ -146,7 +147,7 @@ def test_mean_pooling_skips_prefix_reads():
     sched.add_request(b)
     out, outputs = _run(sched)
     assert out.num_scheduled_tokens == {"b": 9}
-    assert isinstance(outputs[0], PoolingRequestOutput) and not sched.has_unfinished_requests()
+    assert isinstance(outputs[0], PoolingCoreOutput) and not sched.has_unfinished_requests()
 
 
 def test_preemption_frees_the_last_admitted_and_it_resumes_first():
@@ -236,7 +237,7 @@ def test_abort_and_stop_free_blocks_and_tell_the_runner():
 
 
 def test_encoder_path_is_unchanged():
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=4))
+    sched = EncoderScheduler(SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=4))
     for name, n in (("a", 6), ("b", 4), ("c", 3)):
         sched.add_request(_pool(name, n))
     out = sched.schedule()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from tidepool.core.outputs import PooledData, TokenLogprobs
 from tidepool.request import Request
 
 
@@ -35,14 +34,15 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
-    logprobs: list[tuple[int, float, int]] | None = None
+    logprobs: TokenLogprobs | None = None
     """[(token id, logprob, rank)]: the sampled token first, then the top ones asked for."""
 
 
 @dataclass
 class ModelRunnerOutput:
-    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
-    """request_id → pooled output, for pooling requests whose last prompt token ran this step."""
+    pooled: dict[str, PooledData] = field(default_factory=dict)
+    """request_id → pooled tensor (opaque to the scheduler), for pooling requests whose last
+    prompt token ran this step."""
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     """request_id → next token, for generating requests whose scheduled tokens reached their end
     (a prefill chunk that stops short of the prompt's end samples nothing)."""

@@ -18,11 +18,15 @@ RequestOutputs each step produced for the caller. The engine thread runs the Out
 as soon as a stop string ends it, and hands the caller one list per step (one
 `call_soon_threadsafe` per caller and step, not per token):
 
-    engine thread: step() → EngineCoreOutputs → OutputProcessor → deltas ──▶ caller's asyncio.Queue
-                                                 stop string → stop_request      (one put per step)
+    engine thread: LLMEngine.step() → EngineCoreOutputs → OutputProcessor → deltas ──▶ the
+                                        stop string → stop_request   caller's asyncio.Queue
+                                                                     (one put per step)
 
-Pooling requests keep their single-future path (one list comprehension more per step).
+Pooling requests keep their single-future path (a caller's future resolves when its last
+request finished).
 
+Stepping, routing and failure handling are the engine driver's (engine/llm_engine.py): each
+caller's group is a sink of the driver. This module adds the thread, the inbox and the futures.
 Failure isolation: a request the engine rejects fails its caller alone; a step that raises fails
 only the callers whose requests were in that step, and the loop goes on with the others.
 """
@@ -37,22 +41,27 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tidepool.config import EngineConfig, ModelConfig
+from tidepool.engine.args import build_engine_config
 from tidepool.engine.engine_core import EngineCore
 from tidepool.engine.generation_stream import GenerationInput, GenerationStream, StreamGroup
-from tidepool.engine.input_processor import InputProcessor
-from tidepool.engine.output_processor import OutputProcessor
-from tidepool.outputs import (
-    BatchInputError,
-    EngineCoreOutput,
-    PoolingRequestOutput,
-    RequestError,
-)
+from tidepool.engine.input_processor import InputProcessor, eos_token_ids
+from tidepool.engine.llm_engine import EngineStepError, LLMEngine, Output, StepRecord
+from tidepool.models.loader import DEFAULT_MODEL
+from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
+
+__all__ = [
+    "AsyncEngine",
+    "AsyncEngineStats",
+    "EngineClosedError",
+    "EngineStepError",
+    "StepRecord",
+]
 
 logger = logging.getLogger("tidepool")
 
@@ -61,19 +70,6 @@ T = TypeVar("T")
 
 class EngineClosedError(RuntimeError):
     """The engine is shutting down or has stopped: no new requests are taken."""
-
-
-class EngineStepError(RuntimeError):
-    """The engine step that computed one of this caller's requests raised."""
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one engine step did; handed to step listeners (metrics) on the engine thread."""
-
-    num_requests: int
-    num_tokens: int
-    seconds: float
 
 
 @dataclass
@@ -102,12 +98,15 @@ class _Group:
         self.outputs: dict[str, PoolingRequestOutput] = {}
         self.done = False
 
-    # The methods below run on the engine thread.
+    # The methods below run on the engine thread (the driver's OutputSink).
 
-    def finish_one(self, out: PoolingRequestOutput) -> None:
-        self.outputs[out.request_id] = out
+    def add_output(self, out: Output) -> None:
+        self.outputs[out.request_id] = out  # type: ignore[assignment]
         if len(self.outputs) == len(self.requests):
             self._resolve([self.outputs[r.request_id] for r in self.requests], None)
+
+    def flush(self) -> None:
+        pass  # resolved at once when its last request finished
 
     def fail(self, exc: BaseException) -> None:
         self._resolve(None, exc)
@@ -152,34 +151,25 @@ class _Stop:
 _Command = _Submit | _Abort | _Stop
 
 
-@dataclass
-class _LoopState:
-    """Engine-thread-only bookkeeping."""
-
-    group_of: dict[str, _Group | StreamGroup] = field(default_factory=dict)
-    """request_id → its caller's group, for every unfinished request."""
-    stop: _Stop | None = None
-
-
 class AsyncEngine:
     """Async front of one EngineCore; safe to call from many coroutines of one event loop."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._core = EngineCore(config)
         self.input_processor = InputProcessor(config.model)
-        self._output_processor: OutputProcessor | None = None
+        detokenizer = None
         self.eos_token_ids: tuple[int, ...] = ()
         if config.model.runner_type == "generate":
             from transformers import AutoTokenizer
 
-            from tidepool.entrypoints.generation import eos_token_ids
-
             # The engine thread detokenizes with a tokenizer of its own: the tokenizer thread's
             # instance may be changing its truncation settings at the same moment.
             detokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
-            self._output_processor = OutputProcessor(detokenizer)
-            self.eos_token_ids = eos_token_ids(self._core, self.tokenizer)
+            self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self._engine = LLMEngine(config, detokenizer=detokenizer)
+        """Touched by the engine thread only (after start())."""
+        self._stop: _Stop | None = None
+        """The stop command the engine thread got (engine thread only)."""
         self.stats = AsyncEngineStats()
         self._step_listeners: list[Callable[[StepRecord], None]] = []
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -195,12 +185,13 @@ class AsyncEngine:
     @classmethod
     def from_args(cls, model: str | None = None, **engine_args: Any) -> AsyncEngine:
         """Build the engine like `LLM(model, **engine_args)` does."""
-        from tidepool.entrypoints.llm import build_engine_config
-        from tidepool.models.loader import DEFAULT_MODEL
-
         return cls(build_engine_config(model or DEFAULT_MODEL, **engine_args))
 
     # ------------------------------------------------------------------ info
+
+    @property
+    def _core(self) -> EngineCore:
+        return self._engine.core
 
     @property
     def model_config(self) -> ModelConfig:
@@ -221,7 +212,7 @@ class AsyncEngine:
 
     @property
     def can_generate(self) -> bool:
-        return self._output_processor is not None
+        return self._engine.can_generate
 
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         """Call `listener` on the engine thread after each step (metrics); add before start()."""
@@ -351,150 +342,79 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
 
     def _run_loop(self) -> None:
-        state = _LoopState()
+        engine = self._engine
         try:
             while True:
-                self._handle_commands(state, block=not self._core.has_unfinished_requests())
-                self._publish(state)
-                if state.stop is not None and (not state.stop.drain or not state.group_of):
+                self._handle_commands(block=not engine.has_unfinished_requests())
+                self._publish()
+                if self._stop is not None and (
+                    not self._stop.drain or not engine.has_unfinished_requests()
+                ):
                     break
-                if self._core.has_unfinished_requests():
-                    self._step(state)
-                elif state.group_of:
-                    # Cannot happen with a correct scheduler; never leave a caller hanging.
-                    self._fail_groups(state, state.group_of, "the engine lost track of the request")
-                self._publish(state)
+                if engine.has_unfinished_requests():
+                    self._step()
+                self._publish()
         except BaseException as exc:  # a bug in the loop itself: fail everyone, refuse new work
             logger.exception("the engine loop died")
             self._dead = exc
-            self._fail_groups(state, state.group_of, f"the engine loop died: {exc!r}")
+            engine.fail_all(f"the engine loop died: {exc!r}")
             self._fail_inbox(exc)
             return
-        self._fail_groups(state, state.group_of, "the engine stopped before finishing the request")
+        engine.fail_all("the engine stopped before finishing the request")
         self._fail_inbox(EngineClosedError("the engine has stopped"))
 
-    def _handle_commands(self, state: _LoopState, block: bool) -> None:
+    def _handle_commands(self, block: bool) -> None:
         """Apply every queued command; wait for one first when there is nothing to compute."""
         while True:
             try:
-                command = self._inbox.get(block=block and state.stop is None)
+                command = self._inbox.get(block=block and self._stop is None)
             except queue.Empty:
                 return
             block = False
             if isinstance(command, _Submit):
-                self._add_group(state, command.group)
+                self._add_group(command.group)
             elif isinstance(command, _Abort):
-                self.stats.num_aborted_requests += self._drop_group(state, command.group)
-            else:
-                state.stop = command if state.stop is None or not command.drain else state.stop
+                self.stats.num_aborted_requests += self._drop_group(command.group)
+            elif self._stop is None or not command.drain:
+                self._stop = command
 
-    def _add_group(self, state: _LoopState, group: _Group | StreamGroup) -> None:
-        if state.stop is not None:
+    def _add_group(self, group: _Group | StreamGroup) -> None:
+        if self._stop is not None:
             group.fail(EngineClosedError("the engine is shutting down"))
             return
         for index, request in enumerate(group.requests):
+            labels = group.inputs[index] if isinstance(group, StreamGroup) else None
             try:
-                self._core.add_request(request)
+                self._engine.add_request(
+                    request,
+                    group,
+                    prompt=labels.prompt if labels is not None else None,
+                    index=labels.index if labels is not None else 0,
+                    stream=isinstance(group, StreamGroup) and group.stream,
+                )
             except Exception as exc:  # bad parameters for this model: this caller alone fails
-                self._drop_group(state, group)
+                self._drop_group(group)
                 group.fail(BatchInputError([RequestError(index, str(exc))]))
                 return
-            state.group_of[request.request_id] = group
-            if isinstance(group, StreamGroup):
-                item = group.inputs[index]
-                self._output_processor.add_request(  # type: ignore[union-attr]
-                    request.request_id,
-                    item.prompt,
-                    request.prompt_token_ids,
-                    request.sampling_params,  # type: ignore[arg-type]
-                    index=item.index,
-                    stream=group.stream,
-                )
 
-    def _drop_group(self, state: _LoopState, group: _Group | StreamGroup) -> int:
+    def _drop_group(self, group: _Group | StreamGroup) -> int:
         """Abort the group's unfinished requests in the engine; returns how many there were."""
-        num_dropped = 0
-        for request in group.requests:
-            if state.group_of.pop(request.request_id, None) is not None:
-                self._core.abort_request(request.request_id)
-                if self._output_processor is not None:
-                    self._output_processor.abort_request(request.request_id)
-                num_dropped += 1
-        return num_dropped
+        return sum(self._engine.abort_request(r.request_id) for r in group.requests)
 
-    def _step(self, state: _LoopState) -> None:
-        start = time.perf_counter()
-        num_scheduled_before = self._core.stats.num_scheduled_tokens
-        try:
-            step_outputs = self._core.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing the requests of that step only")
+    def _step(self) -> None:
+        record = self._engine.step()
+        if record.failed:
             self.stats.num_failed_steps += 1
-            self._fail_step(state, exc)
             return
         self.stats.num_steps += 1
-        # A pooling request yields one output, when it finishes; a generating one an
-        # EngineCoreOutput per sampled token.
-        outputs = [out for out in step_outputs if isinstance(out, PoolingRequestOutput)]
-        num_generating = len(step_outputs) - len(outputs)
-        if num_generating:
-            self._process_generated(state, step_outputs)
-        self.stats.num_finished_requests += len(outputs)
-        for out in outputs:
-            group = state.group_of.pop(out.request_id, None)
-            if group is not None:  # None: aborted while its step ran
-                group.finish_one(out)  # type: ignore[union-attr]
-        if self._step_listeners and step_outputs:
-            if num_generating:  # decode steps: every scheduled token, prompt chunks included
-                num_tokens = self._core.stats.num_scheduled_tokens - num_scheduled_before
-            else:
-                num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-            record = StepRecord(
-                num_requests=len(step_outputs),
-                num_tokens=num_tokens,
-                seconds=time.perf_counter() - start,
-            )
-            for listener in self._step_listeners:
-                try:
-                    listener(record)
-                except Exception:  # metrics must never stop the engine
-                    logger.exception("step listener failed")
-
-    def _process_generated(self, state: _LoopState, step_outputs: list) -> None:
-        """Detokenize the step's tokens, stop requests a stop string ended, hand each caller the
-        outputs of its requests (one queue put per caller)."""
-        core_outputs = [o for o in step_outputs if isinstance(o, EngineCoreOutput)]
-        outputs, to_stop = self._output_processor.process(core_outputs)  # type: ignore[union-attr]
-        for request_id, stop_str in to_stop:
-            self._core.stop_request(request_id, stop_str)  # frees its blocks before the next step
-        touched: dict[int, StreamGroup] = {}
-        for out in outputs:
-            if out.finished:
-                group = state.group_of.pop(out.request_id, None)
-                self.stats.num_finished_requests += 1
-            else:
-                group = state.group_of.get(out.request_id)
-            if isinstance(group, StreamGroup):  # None: aborted while its step ran
-                group.add_output(out)
-                touched[id(group)] = group
-        for group in touched.values():
-            group.flush()
-
-    def _fail_step(self, state: _LoopState, exc: Exception) -> None:
-        # The requests of the failed step are the unfinished ones the scheduler no longer holds
-        # as waiting: schedule() took them. Waiting requests are untouched and run next step.
-        waiting = {r.request_id for r in getattr(self._core.scheduler, "waiting", ())}
-        failed = {rid: g for rid, g in state.group_of.items() if rid not in waiting}
-        for request_id in failed:
-            self._core.abort_request(request_id)  # drop the scheduler's state of the request
-        self._fail_groups(state, failed, f"the engine step failed: {exc!r}")
-
-    def _fail_groups(
-        self, state: _LoopState, group_of: dict[str, _Group | StreamGroup], why: str
-    ) -> None:
-        for group in {id(g): g for g in list(group_of.values())}.values():
-            self._drop_group(state, group)  # the group's other requests are useless now
-            group.fail(EngineStepError(why))
+        self.stats.num_finished_requests += record.num_finished
+        if not record.num_requests:
+            return
+        for listener in self._step_listeners:
+            try:
+                listener(record)
+            except Exception:  # metrics must never stop the engine
+                logger.exception("step listener failed")
 
     def _fail_inbox(self, exc: BaseException) -> None:
         while True:
@@ -505,10 +425,11 @@ class AsyncEngine:
             if isinstance(command, _Submit):
                 command.group.fail(EngineClosedError(str(exc)))
 
-    def _publish(self, state: _LoopState) -> None:
-        self.stats.num_unfinished_requests = len(state.group_of)
-        self.stats.num_waiting_requests = int(getattr(self._core.scheduler, "num_waiting", 0))
-        self.stats.num_running_requests = int(getattr(self._core.scheduler, "num_running", 0))
+    def _publish(self) -> None:
+        scheduler = self._engine.core.scheduler
+        self.stats.num_unfinished_requests = self._engine.num_unfinished_requests
+        self.stats.num_waiting_requests = scheduler.num_waiting
+        self.stats.num_running_requests = scheduler.num_running
 
 
 def _requests_or_raise(items: list[Request | RequestError]) -> list[Request]:

@@ -1,4 +1,7 @@
-"""One engine iteration: schedule → execute → update. Nothing else happens in a step."""
+"""One engine iteration: schedule → execute → update. Nothing else happens in a step.
+
+Only the engine driver (engine/llm_engine.py) calls `step()`; it turns the step's typed results
+(core/outputs.py) into user-facing outputs and routes them to their callers."""
 
 from __future__ import annotations
 
@@ -6,8 +9,10 @@ import time
 from dataclasses import dataclass
 
 from tidepool.config import EngineConfig
+from tidepool.core.causal_scheduler import CausalScheduler
+from tidepool.core.outputs import StepOutput
 from tidepool.core.sched_output import SchedulerOutput
-from tidepool.core.scheduler import Scheduler, StepOutput
+from tidepool.core.scheduler import EncoderScheduler, Scheduler
 from tidepool.kv_cache.manager import KVCacheManager
 from tidepool.kv_cache.spec import KVCacheConfig
 from tidepool.request import Request
@@ -50,20 +55,34 @@ class EngineMetrics:
     model_seconds: float
 
 
+class StepFailedError(RuntimeError):
+    """The model runner (or the scheduler's update) raised during a step: the step's requests
+    got no result. The cause is chained (`__cause__`)."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"the engine step failed: {cause!r}")
+        self.request_ids = request_ids
+        """The requests scheduled in the failed step."""
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_runner = ModelRunner(config)
         kv_config = self.model_runner.kv_cache_config
-        self.kv_cache_manager = None
-        if kv_config is not None:
+        self.kv_cache_manager: KVCacheManager | None = None
+        self.scheduler: Scheduler
+        # Encoders keep no KV cache; causal models page theirs. Chosen once, here.
+        if kv_config is None:
+            self.scheduler = EncoderScheduler(config.scheduler)
+        else:
             _check_holds_one_request(kv_config, config)
             self.kv_cache_manager = KVCacheManager(
                 kv_config, enable_caching=config.cache.enable_prefix_caching
             )
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache_manager, config.model.max_model_len
-        )
+            self.scheduler = CausalScheduler(
+                config.scheduler, self.kv_cache_manager, config.model.max_model_len
+            )
         self.stats = EngineStats()
 
     def add_request(self, request: Request) -> None:
@@ -89,17 +108,22 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[StepOutput]:
+        """Run one step; StepFailedError (naming the step's requests) if it raised. The caller
+        decides what happens to those requests (the driver fails and aborts them)."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
         start = time.perf_counter()
         try:
             runner_out = self.model_runner.execute(sched_out)
-        except Exception:
+        except Exception as exc:
             self._forget_unwritten_blocks(sched_out)
-            raise
+            raise StepFailedError([r.request_id for r in sched_out.scheduled], exc) from exc
         self.stats.model_seconds += time.perf_counter() - start
-        outputs = self.scheduler.update(sched_out, runner_out)
+        try:
+            outputs = self.scheduler.update(sched_out, runner_out)
+        except Exception as exc:
+            raise StepFailedError([r.request_id for r in sched_out.scheduled], exc) from exc
         self.stats.num_steps += 1
         self.stats.num_finished_requests = self.scheduler.stats.num_finished_requests
         self.stats.num_prompt_tokens = self.scheduler.stats.num_prompt_tokens
@@ -107,20 +131,13 @@ class EngineCore:
         return outputs
 
     def _forget_unwritten_blocks(self, sched_out: SchedulerOutput) -> None:
-        """A failed step wrote none of its KV, but allocate_slots already entered the blocks it
-        was to fill into the prefix cache: drop their hashes, or a later request could hit them
-        and read garbage. (The caller decides what happens to the requests; the server aborts
-        them.)"""
+        """A failed step wrote none of its KV: no later request may hit the blocks it was to fill."""
         kv = self.kv_cache_manager
-        if kv is None:
+        if kv is None:  # an encoder caches nothing
             return
         for request in sched_out.scheduled:
             num_new_tokens = sched_out.num_scheduled_tokens[request.request_id]
-            first = request.num_computed_tokens // kv.block_size
-            end = -(-(request.num_computed_tokens + num_new_tokens) // kv.block_size)
-            for group_blocks in kv.get_blocks(request.request_id).blocks:
-                for block in group_blocks[first:end]:
-                    kv.block_pool._evict(block)  # the pool's own "forget this hash"
+            kv.uncache_unwritten_blocks(request, num_new_tokens)
 
     def get_metrics(self) -> EngineMetrics:
         kv = self.kv_cache_manager

@@ -133,7 +133,7 @@ class InputProcessor:
             else:
                 texts.setdefault(max_len, []).append(i)
         for max_len, indices in texts.items():
-            batch = [self._prepare_text(parsed[i].text) for i in indices]  # type: ignore[union-attr]
+            batch = [self._prepare_text(parsed[i].text) for i in indices]  # type: ignore[union-attr, arg-type]
             enc = self._tokenize(batch, None, max_len)
             for j, i in enumerate(indices):
                 types = enc["token_type_ids"][j] if "token_type_ids" in enc else None
@@ -200,7 +200,6 @@ class InputProcessor:
             prompt_token_ids=list(ids),
             pooling_params=params,
             token_type_ids=None if token_types is None else list(token_types),
-            arrival_index=index,
         )
 
     # ------------------------------------------------------------------ generation
@@ -253,6 +252,15 @@ class InputProcessor:
                     prompt_token_ids=ids,
                     sampling_params=params[i],
                     eos_token_ids=eos_token_ids,
-                    arrival_index=i,
                 )
         return results  # type: ignore[return-value]
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    """Where generation stops: generation_config.json's EOS ids, then the tokenizer's if it is not
+    among them."""
+    ids = list(model_config.eos_token_ids)
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    if tokenizer_eos is not None and tokenizer_eos not in ids:
+        ids.append(int(tokenizer_eos))
+    return tuple(ids)

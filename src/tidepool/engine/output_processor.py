@@ -6,6 +6,11 @@ tokenizer this is tokenizers' DecodeStream (Rust, ~1 us a token), primed with th
 prompt so that a first token like "▁Hello" keeps its leading space, as vLLM does; otherwise it
 decodes a short window of tokens (vLLM's prefix / read offsets).
 
+`spaces_between_special_tokens` joins added tokens (special ones included) to the text around them
+with spaces, as slow tokenizers of transformers 4 did; transformers 5 ignores the flag, so the
+window detokenizer applies it itself. The stream (fast tokenizers) cannot: tokenizers' Rust decoder
+has no such option, and vLLM ignores the flag for fast tokenizers too.
+
 Stop strings are searched in the new text only (plus the few characters before it that a stop
 string could start in). When one is found, the text is cut before it (after it with
 include_stop_str_in_output) and the request is reported for the engine to stop.
@@ -22,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidepool.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from tidepool.core.outputs import EngineCoreOutput
+from tidepool.outputs import CompletionOutput, Logprob, RequestOutput
 from tidepool.params import SamplingParams
 
 # Prompt tokens that prime the detokenizer (vLLM primes with 4 to 24 of them).
@@ -53,14 +59,44 @@ class _StreamDetokenizer:
 class _WindowDetokenizer:
     """Any tokenizer: decode a window of ids and keep what the new tokens added."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaced_ids: frozenset[int] = frozenset()
+        """Added tokens that get a space on each side (empty: decode plainly)."""
+        if spaces_between_special_tokens:
+            self.spaced_ids = frozenset(getattr(tokenizer, "get_added_vocab", dict)().values())
+        self.skipped_ids = frozenset(tokenizer.all_special_ids if skip_special_tokens else ())
         self.ids = _prime_tokens(tokenizer, prompt_token_ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
+        if not self.spaced_ids.intersection(ids):
+            return self._decode_plain(ids)
+        # Worked example: [Hello, <extra>, world] → "Hello <extra> world" (plain: "Hello<extra>world").
+        parts: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id not in self.spaced_ids:
+                run.append(token_id)
+                continue
+            if run:
+                parts.append(self._decode_plain(run))
+                run = []
+            if token_id not in self.skipped_ids:
+                parts.append(self.tokenizer.decode([token_id], skip_special_tokens=False))
+        if run:
+            parts.append(self._decode_plain(run))
+        return " ".join(parts)
+
+    def _decode_plain(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
@@ -135,10 +171,18 @@ class OutputProcessor:
         index: int = 0,
         stream: bool = False,
     ) -> None:
-        detokenizer = None
-        if params.detokenize and self.tokenizer is not None:
-            cls = _StreamDetokenizer if self._fast else _WindowDetokenizer
-            detokenizer = cls(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        detokenizer: _StreamDetokenizer | _WindowDetokenizer | None = None
+        if params.detokenize and self.tokenizer is not None and self._fast:
+            detokenizer = _StreamDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+            )
+        elif params.detokenize and self.tokenizer is not None:
+            detokenizer = _WindowDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            )
         state = _RequestState(request_id, prompt, prompt_token_ids, params, detokenizer, index)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
@@ -196,8 +240,8 @@ class OutputProcessor:
         found = find_stop_string(
             state.text,
             len(new_text),
-            params.stop,
-            params.include_stop_str_in_output,  # type: ignore[arg-type]
+            params.stop,  # type: ignore[arg-type]
+            params.include_stop_str_in_output,
         )
         if found is None:
             return None
@@ -206,11 +250,14 @@ class OutputProcessor:
         return stop_str
 
     def _add_logprobs(self, state: _RequestState, out: EngineCoreOutput) -> None:
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
         for position, token_id in zip(out.new_logprobs or (), out.new_token_ids, strict=True):
-            for tid, logprob in position.items():
-                logprob.decoded_token = self.tokenizer.decode([tid]) if self.tokenizer else None
-            state.logprobs.append(position)  # type: ignore[union-attr]
-            state.cumulative_logprob += position[token_id].logprob  # type: ignore[operator]
+            entry = {
+                tid: Logprob(logprob, rank, decode([tid]) if decode else None)
+                for tid, logprob, rank in position
+            }
+            state.logprobs.append(entry)  # type: ignore[union-attr]
+            state.cumulative_logprob += entry[token_id].logprob  # type: ignore[operator]
 
     @staticmethod
     def _output(state: _RequestState, finish_reason: str, stop_reason: Any) -> RequestOutput:

@@ -1,24 +1,37 @@
-"""The offline API, mirroring vLLM's `LLM`: embed, classify, score, encode; generate, chat."""
+"""The offline API, mirroring vLLM's `LLM`: embed, classify, score, encode; generate, chat.
+
+A thin wrapper over the engine driver (engine/llm_engine.py): it turns prompts into requests,
+runs them with `LLMEngine.run_batch`, and converts the outputs; scoring rules live in
+engine/pooling.py, shared with the server.
+"""
 
 from __future__ import annotations
 
-import logging
-import math
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
-from tidepool import envs
-from tidepool.config import CacheConfig, EngineConfig, SchedulerConfig
+from tidepool.config import ModelConfig
+from tidepool.engine.args import (
+    CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EngineArgs,
+    build_engine_config,
+    engine_args_from_vllm,
+)
 from tidepool.engine.engine_core import EngineCore, EngineMetrics
-from tidepool.engine.input_processor import InputProcessor
-from tidepool.entrypoints.generation import run_generation
+from tidepool.engine.generation_stream import GenerationInput
+from tidepool.engine.input_processor import InputProcessor, eos_token_ids
+from tidepool.engine.llm_engine import LLMEngine
+from tidepool.engine.pooling import (
+    cosine_scores,
+    cross_encoder_score,
+    default_pooling_task,
+    expand_score_pairs,
+    pair_failures,
+    plan_embedding_scores,
+)
 from tidepool.models.loader import DEFAULT_MODEL
-from tidepool.models.resolve import build_model_config
 from tidepool.outputs import (
     BatchInputError,
     ClassificationRequestOutput,
@@ -33,22 +46,13 @@ from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
 from tidepool.signatures import fields_as_keywords
 
-logger = logging.getLogger("tidepool")
-
-ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
-
-# vLLM arguments that mean nothing here; accepted (and ignored) so code ports unchanged.
-_IGNORED_VLLM_ARGS = {
-    "enforce_eager",
-    "gpu_memory_utilization",
-    "tensor_parallel_size",
-    "disable_log_stats",
-    "swap_space",
-    "task",
-}
-
-# Default step budget of causal models (chunked prefill lets prompts exceed it).
-CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+__all__ = [
+    "CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "LLM",
+    "EngineArgs",
+    "build_engine_config",
+]
 
 PromptsArg = Any  # str | dict | Sequence[str | dict]
 
@@ -65,122 +69,12 @@ def _as_list(prompts: PromptsArg, what: str = "prompts") -> list:
     )
 
 
-def _set_torch_threads() -> None:
-    """TIDEPOOL_NUM_THREADS, else the cores this process may run on (torch's own default counts
-    the machine's cores, which oversubscribes a process pinned to fewer, e.g. in a container)."""
-    threads = envs.num_threads()
-    if threads is None and hasattr(os, "sched_getaffinity"):
-        threads = min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
-    if threads is not None and threads != torch.get_num_threads():
-        torch.set_num_threads(threads)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineArgs:
-    """The engine arguments of `LLM(model, **engine_args)` and `AsyncEngine.from_args`: the one
-    place that owns their names and defaults."""
-
-    runner: str = "auto"
-    """ "pooling", "generate" or "auto" (from the model's architecture)."""
-    convert: str = "auto"
-    """ "embed" or "classify" turns a pooling model into that task; "auto" keeps its own."""
-    dtype: str | torch.dtype = "auto"
-    """Weights and activations; "auto": float32 on CPU, the model's 16-bit dtype on a GPU."""
-    max_model_len: int | None = None
-    """Longest prompt in tokens; None: the model's own limit."""
-    max_num_batched_tokens: int | None = None
-    """Token budget of one engine step; None: a default by model kind (see `to_engine_config`)."""
-    max_num_seqs: int = 256
-    """Most sequences in one engine step."""
-    seed: int = 0
-    """`torch.manual_seed` when the model runner starts (sampling with no per-request seed)."""
-    device: str | None = None
-    """ "cpu", "cuda", "cuda:1"...; None: TIDEPOOL_DEVICE, else a GPU where there is one."""
-    trust_remote_code: bool = False
-    """The transformers backend may run modeling code shipped in the model folder."""
-    block_size: int = 16
-    """Tokens per KV block (and per prefix-cache hash)."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV of full blocks whose token prefix was computed before."""
-    enable_chunked_prefill: bool = True
-    """Causal models: a long prompt may run over several steps."""
-    long_prefill_token_threshold: int = 0
-    """Causal models with chunked prefill: most prompt tokens of one request per step (0: no cap)."""
-    kv_cache_memory_bytes: int | None = None
-    """Bytes for the KV cache (see `LLM.__init__` for the default)."""
-    kv_cache_memory_fraction: float | None = None
-    """Share of the device's memory the process may use; the KV cache gets what the model left."""
-    disable_hybrid_kv_cache_manager: bool = False
-    """Sliding-window layers keep every block like full attention."""
-    model_impl: str = "auto"
-    """ "native", "transformers" or "auto" (native where tidepool has the architecture)."""
-
-    def to_engine_config(self, model: str) -> EngineConfig:
-        _set_torch_threads()
-        model_config = build_model_config(
-            model,
-            convert=self.convert,
-            runner=self.runner,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            device=self.device,
-            seed=self.seed,
-            trust_remote_code=self.trust_remote_code,
-            model_impl=self.model_impl,
-        )
-        # Encoders run each prompt whole; causal models with chunked prefill do not need to.
-        whole_prompts = not model_config.is_causal or not self.enable_chunked_prefill
-        max_num_batched_tokens = self.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            if model_config.is_causal:
-                max_num_batched_tokens = CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS
-            else:
-                # Measured (MiniLM, 800 texts, CPU seconds): 4,096-token steps beat 8,192 by 1.1x
-                # and 16,384 by 1.3x in float32 (activations stay closer to cache), tie in bfloat16.
-                max_num_batched_tokens = ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS
-            if whole_prompts:
-                max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
-        elif whole_prompts and max_num_batched_tokens < model_config.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_model_len="
-                f"{model_config.max_model_len}: "
-                + (
-                    "an encoder runs each prompt in one step"
-                    if not model_config.is_causal
-                    else "without chunked prefill a prompt runs in one step"
-                )
-            )
-        return EngineConfig(
-            model=model_config,
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
-            ),
-            cache=CacheConfig(
-                block_size=self.block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                memory_fraction=self.kv_cache_memory_fraction,
-                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
-            ),
-        )
-
-
-_ENGINE_ARG_NAMES = frozenset(f.name for f in fields(EngineArgs))
-
-
-def build_engine_config(model: str = DEFAULT_MODEL, **engine_args: Any) -> EngineConfig:
-    """The engine configuration from `LLM`'s arguments (`EngineArgs`); shared with the server's
-    AsyncEngine."""
-    return EngineArgs(**engine_args).to_engine_config(model)
-
-
-def _wants_gpu(device: str | None) -> bool:
-    return (device or "").startswith("cuda") or (
-        device is None and envs.device() is None and torch.cuda.is_available()
-    )
+def _prompt_text(prompt: Any) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    return None
 
 
 class LLM:
@@ -195,32 +89,21 @@ class LLM:
         4 GiB on CPU (at most a quarter of the free memory), `gpu_memory_utilization` (default
         0.9) on a GPU. Sliding-window layers keep only the blocks inside their window unless
         `disable_hybrid_kv_cache_manager` is set."""
-        unknown = set(kwargs) - _ENGINE_ARG_NAMES - _IGNORED_VLLM_ARGS
-        if unknown:
-            raise TypeError(f"LLM() got unexpected arguments: {sorted(unknown)}")
-        ignored = {name: kwargs.pop(name) for name in _IGNORED_VLLM_ARGS & kwargs.keys()}
-        engine_args = EngineArgs(**kwargs)
-        if (
-            engine_args.kv_cache_memory_fraction is None
-            and engine_args.kv_cache_memory_bytes is None
-            and "gpu_memory_utilization" in ignored
-            # vLLM's knob sizes the KV cache on a GPU; on a CPU it means nothing (as in vLLM).
-            and _wants_gpu(engine_args.device)
-        ):
-            memory_fraction = float(ignored.pop("gpu_memory_utilization"))
-            engine_args = replace(engine_args, kv_cache_memory_fraction=memory_fraction)
-        if ignored:
-            logger.info("ignoring vLLM arguments that do not apply here: %s", sorted(ignored))
-        self.config = engine_args.to_engine_config(model)
-        model_config = self.config.model
-        self.engine = EngineCore(self.config)
-        self.input_processor = InputProcessor(model_config)
+        self.config = engine_args_from_vllm(kwargs).to_engine_config(model)
+        self.input_processor = InputProcessor(self.config.model)
+        self.llm_engine = LLMEngine(self.config, detokenizer=self.input_processor.tokenizer)
+        self._eos_token_ids = eos_token_ids(self.config.model, self.input_processor.tokenizer)
 
     # ------------------------------------------------------------------ helpers
 
     @property
-    def model_config(self):
+    def model_config(self) -> ModelConfig:
         return self.config.model
+
+    @property
+    def engine(self) -> EngineCore:
+        """The engine core (its scheduler, KV-cache manager, model runner, stats)."""
+        return self.llm_engine.core
 
     def get_tokenizer(self):
         return self.input_processor.tokenizer
@@ -256,39 +139,21 @@ class LLM:
     ) -> tuple[list[PoolingRequestOutput | None], list[RequestError]]:
         """Run every request; per-prompt errors are returned, never raised."""
         errors = [item for item in items if isinstance(item, RequestError)]
-        results: list[PoolingRequestOutput | None] = [None] * len(items)
-        index_of: dict[str, int] = {}
         # Longest first: each step then packs sequences of similar length (cheaper attention).
         order = sorted(
             (i for i, item in enumerate(items) if isinstance(item, Request)),
             key=lambda i: -items[i].num_prompt_tokens,  # type: ignore[union-attr]
         )
-        for i in order:
-            try:
-                self.engine.add_request(items[i])  # type: ignore[arg-type]
-            except ValueError as e:
-                errors.append(RequestError(i, str(e)))
-                continue
-            index_of[items[i].request_id] = i  # type: ignore[union-attr]
-        num_requests = len(index_of)
-        pbar = None
-        if use_tqdm and num_requests > 1:
-            from tqdm.auto import tqdm
-
-            pbar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True)
-        try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    results[index_of[out.request_id]] = out
-                    if pbar is not None:
-                        pbar.update(1)
-        except BaseException:
-            for req_id in index_of:
-                self.engine.abort_request(req_id)
-            raise
-        finally:
-            if pbar is not None:
-                pbar.close()
+        outputs, rejected = self.llm_engine.run_batch(
+            [items[i] for i in order],  # type: ignore[misc]
+            use_tqdm,
+        )
+        results: list[PoolingRequestOutput | None] = [None] * len(items)
+        for i, out, why in zip(order, outputs, rejected, strict=True):
+            if why is not None:
+                errors.append(RequestError(i, why))
+            else:
+                results[i] = out  # type: ignore[assignment]
         errors.sort(key=lambda e: e.index)
         return results, errors
 
@@ -323,7 +188,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput]:
         """Raw pooler outputs (`outputs.data`, a tensor); `pooling_task` as vLLM's."""
-        task = pooling_task or ("classify" if self.model_config.task == "classify" else "embed")
+        task = pooling_task or default_pooling_task(self.model_config.task)
         results, errors = self._encode_raw(
             prompts, task, pooling_params, truncate_prompt_tokens, use_tqdm
         )
@@ -374,71 +239,51 @@ class LLM:
         A cross-encoder reads each pair together; an embedding model scores the cosine of the two
         embeddings.
         """
-        first = _as_list(data_1, "data_1")
-        second = _as_list(data_2, "data_2")
-        if len(first) == 1:
-            first = first * len(second)
-        elif len(first) != len(second):
-            raise ValueError(
-                f"data_1 has {len(first)} items and data_2 {len(second)}: give one data_1 item "
-                "(1-to-N) or as many as data_2 (N-to-N)"
-            )
-        pairs = list(zip(first, second, strict=True))
-        if self.model_config.task == "classify":
-            params = self._params_list(len(pairs), pooling_params, "score", truncate_prompt_tokens)
-            items = self.input_processor.process_pairs(pairs, params)
-            results, errors = self._run(items, use_tqdm)
-            return self._finish(
-                results,
-                errors,
-                lambda r: ScoringRequestOutput(
-                    r.request_id, r.prompt_token_ids, ScoringOutput(float(r.outputs.data))
-                ),
-            )
-        return self._score_by_embedding(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
-
-    def _score_by_embedding(self, pairs, pooling_params, truncate_prompt_tokens, use_tqdm):
-        # Embed each distinct text once (1-to-N embeds the query once).
-        texts: list = []
-        slot: dict[Any, int] = {}
-        keys = []
-        for a, b in pairs:
-            pair_keys = []
-            for text in (a, b):
-                key = text if isinstance(text, str) else id(text)
-                if key not in slot:
-                    slot[key] = len(texts)
-                    texts.append(text)
-                pair_keys.append(slot[key])
-            keys.append(pair_keys)
-        results, text_errors = self._encode_raw(
-            texts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm
+        pairs = expand_score_pairs(_as_list(data_1, "data_1"), _as_list(data_2, "data_2"))
+        if self.model_config.task != "classify":
+            return self._score_by_embedding(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
+        params = self._params_list(len(pairs), pooling_params, "score", truncate_prompt_tokens)
+        items = self.input_processor.process_pairs(pairs, params)
+        results, errors = self._run(items, use_tqdm)
+        return self._finish(
+            results,
+            errors,
+            lambda r: ScoringRequestOutput(
+                r.request_id, r.prompt_token_ids, ScoringOutput(cross_encoder_score(r.outputs.data))
+            ),
         )
-        failed = {e.index: e.message for e in text_errors}
-        errors: list[RequestError] = []
+
+    def _score_by_embedding(
+        self,
+        pairs: list[tuple[Any, Any]],
+        pooling_params: PoolingParams | None,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+    ) -> list[ScoringRequestOutput]:
+        plan = plan_embedding_scores(pairs)
+        results, text_errors = self._encode_raw(
+            plan.texts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm
+        )
+        embeddings = [None if r is None else r.outputs.data for r in results]
+        scores = cosine_scores(embeddings, plan.pair_slots)
+        failures = pair_failures(plan.pair_slots, {e.index: e.message for e in text_errors})
         outputs: list[ScoringRequestOutput | None] = []
-        for i, (ka, kb) in enumerate(keys):
-            bad = [
-                f"{side}: {failed[k]}"
-                for side, k in (("data_1", ka), ("data_2", kb))
-                if k in failed
-            ]
-            if bad:
-                errors.append(RequestError(i, "; ".join(bad)))
+        for (a, b), score in zip(plan.pair_slots, scores, strict=True):
+            ea, eb = results[a], results[b]
+            if score is None or ea is None or eb is None:
                 outputs.append(None)
                 continue
-            ea, eb = results[ka], results[kb]
-            score = F.cosine_similarity(ea.outputs.data, eb.outputs.data, dim=0).item()
             outputs.append(
                 ScoringRequestOutput(
                     f"score-{ea.request_id}-{eb.request_id}",
                     ea.prompt_token_ids + eb.prompt_token_ids,
-                    ScoringOutput(score if math.isfinite(score) else 0.0),
+                    ScoringOutput(score),
                 )
             )
-        if errors:
+        if failures:
+            errors = [RequestError(i, message) for i, message in sorted(failures.items())]
             raise BatchInputError(errors, outputs)
-        return outputs
+        return outputs  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ generation
 
@@ -499,16 +344,64 @@ class LLM:
         use_tqdm: bool,
         add_special_tokens: bool,
     ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order; n > 1 completions run as n requests
+        (their prompt blocks shared by the prefix cache). Invalid prompts raise BatchInputError
+        after the others ran (its `outputs` hold their results)."""
         if self.model_config.runner_type != "generate":
             raise ValueError(
                 f"generate() needs a generative model; {self.model_config.architecture} is a "
                 f"{self.model_config.task} model (load a *ForCausalLM, or runner='generate')"
             )
-        return run_generation(
-            self.engine,
-            self.input_processor,
-            prompts,
-            sampling_params,
-            use_tqdm=use_tqdm,
+        children = _completions(len(prompts), sampling_params)
+        items = self.input_processor.process_generate(
+            [prompts[i] for i, _, _ in children],
+            [p for _, _, p in children],
+            self._eos_token_ids,
             add_special_tokens=add_special_tokens,
         )
+        accepted = [j for j, item in enumerate(items) if isinstance(item, Request)]
+        inputs = [
+            GenerationInput(items[j], _prompt_text(prompts[children[j][0]]), children[j][1])  # type: ignore[arg-type]
+            for j in accepted
+        ]
+        outputs, rejected = self.llm_engine.run_batch(inputs, use_tqdm)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        errors: dict[int, str] = {}
+        for j, item in enumerate(items):
+            if isinstance(item, RequestError):
+                errors.setdefault(children[j][0], item.message)
+        for j, out, why in zip(accepted, outputs, rejected, strict=True):
+            i = children[j][0]
+            if why is not None:
+                errors.setdefault(i, why)
+            elif results[i] is None:
+                results[i] = out  # type: ignore[assignment]
+            else:
+                results[i].outputs.extend(out.outputs)  # type: ignore[union-attr, arg-type]
+        for result in results:
+            if result is not None:
+                result.outputs.sort(key=lambda c: c.index)
+        if errors:
+            raise BatchInputError([RequestError(i, m) for i, m in sorted(errors.items())], results)
+        return results  # type: ignore[return-value]
+
+
+def _completions(
+    num_prompts: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+) -> list[tuple[int, int, SamplingParams]]:
+    """(prompt index, completion index, its parameters) of every completion to run: n > 1 runs
+    as n requests of n=1; a seeded request gives completion k the seed + k, as vLLM does."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    params = (
+        [sampling_params] * num_prompts
+        if isinstance(sampling_params, SamplingParams)
+        else list(sampling_params)
+    )
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts")
+    return [
+        (i, k, p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + k))
+        for i, p in enumerate(params)
+        for k in range(p.n)
+    ]

@@ -129,7 +129,7 @@ class BlockPool:
         new_blocks = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
-            self._evict(block)
+            self.evict_cached_hash(block)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
@@ -183,7 +183,9 @@ class BlockPool:
                 block.cache_key = key
                 self._cached_blocks[key] = block
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def evict_cached_hash(self, block: KVCacheBlock) -> None:
+        """Take the block out of the prefix cache (no-op if it has no hash); it keeps its data
+        and references."""
         if block.cache_key is not None:
             del self._cached_blocks[block.cache_key]
             block.cache_key = None

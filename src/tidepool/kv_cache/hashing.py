@@ -43,15 +43,13 @@ def hash_block_tokens(
     return BlockHash(hasher.digest())
 
 
-def block_extra_keys(request: Request, block_index: int, start: int, end: int) -> ExtraKeys | None:
+def block_extra_keys(request: Request, start: int, end: int) -> ExtraKeys | None:
     """What besides the token ids decides the KV of tokens [start, end).
 
-    The cache salt goes into block 0 only: chaining carries it into every later hash. Token type ids
-    count only when some are non-zero (None means all zeros, so both share blocks).
+    Token type ids count only when some are non-zero (None means all zeros, so both share
+    blocks). Chaining carries a block's keys into every later hash.
     """
     keys: list[object] = []
-    if block_index == 0 and request.cache_salt is not None:
-        keys.append(("salt", request.cache_salt))
     if request.token_type_ids is not None:
         token_types = tuple(request.token_type_ids[start:end])
         if any(token_types):
@@ -79,7 +77,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     parent = hashes[-1] if hashes else None
     for block_index in range(len(hashes), num_full_blocks):
         start, end = block_index * block_size, (block_index + 1) * block_size
-        extra_keys = block_extra_keys(request, block_index, start, end)
+        extra_keys = block_extra_keys(request, start, end)
         parent = hash_block_tokens(parent, _token_slice(request, start, end), extra_keys)
         hashes.append(parent)
     return hashes

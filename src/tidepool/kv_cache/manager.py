@@ -144,7 +144,6 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
         num_reserved_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` tokens after `request.num_computed_tokens` plus the hit.
@@ -152,11 +151,10 @@ class KVCacheManager:
         Returns the newly allocated blocks per group, or None when the pool has too few free
         blocks (leaving `num_reserved_blocks` of them untouched: reserved for others); then nothing
         was allocated, touched or cached (sliding-window blocks that left the window may have been
-        freed: they are dead either way). Lookahead slots (speculative tokens) are allocated but
-        not cached.
+        freed: they are dead either way).
 
-            |<- num_computed_tokens ->|<- hit ->|<- num_new_tokens ->|<- lookahead ->|
-            |   already has blocks    | touched |      new blocks as needed          |
+            |<- num_computed_tokens ->|<- hit ->|<- num_new_tokens ->|
+            |   already has blocks    | touched | new blocks as needed |
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
@@ -165,7 +163,7 @@ class KVCacheManager:
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
         num_computed_tokens = request.num_computed_tokens + len(hits[0]) * self.block_size
-        num_slot_tokens = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        num_slot_tokens = num_computed_tokens + num_new_tokens
         num_blocks_to_allocate = sum(
             manager.get_num_blocks_to_allocate(request_id, num_slot_tokens, group_hits)
             for manager, group_hits in zip(self.managers, hits, strict=True)
@@ -269,6 +267,16 @@ class KVCacheManager:
         """Release the request's blocks (they stay in the prefix cache until evicted)."""
         for manager in self.managers:
             manager.free(request.request_id)
+
+    def uncache_unwritten_blocks(self, request: Request, num_new_tokens: int) -> None:
+        """A step that was to compute `num_new_tokens` tokens of the request failed: it wrote
+        none of their KV, but `allocate_slots` already entered the blocks it was to fill into the
+        prefix cache. Drop their hashes, or a later request could hit them and read garbage."""
+        first = request.num_computed_tokens // self.block_size
+        end = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        for group_blocks in self.get_blocks(request.request_id).blocks:
+            for block in group_blocks[first:end]:
+                self.block_pool.evict_cached_hash(block)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(manager.get_blocks(request_id) for manager in self.managers))
