@@ -207,7 +207,6 @@ def test_no_cycles_among_model_loading() -> None:
             "tidepool.core",
             "torch",
             "tidepool.outputs",
-            xfail="fixed by issue 13 part 2 (the scheduler plans, the output processor builds)",
         ),
         _layer(
             "tidepool.models",
@@ -226,7 +225,6 @@ def test_no_cycles_among_model_loading() -> None:
         _layer(
             "tidepool.engine",
             "tidepool.entrypoints",
-            xfail="fixed by issue 13 part 1 (one engine driver in engine/)",
         ),
         _layer("tidepool.worker", "tidepool.engine", "tidepool.entrypoints"),
     ],
@@ -254,3 +252,17 @@ def test_config_is_a_leaf() -> None:
     assert _violations("tidepool.config", (PACKAGE,)) == _violations("tidepool.config", leaves)
     for leaf in leaves:
         assert _violations(leaf, (PACKAGE,)) == []
+
+
+def test_only_the_engine_steps_the_core() -> None:
+    """No `<...engine...>.step()` / `<...core...>.step()` call outside engine/: the driver
+    (engine/llm_engine.py) is the one loop that steps EngineCore and routes its outputs."""
+    for name, path in _modules().items():
+        if _within(name, "tidepool.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            receiver = ast.unparse(node.func.value).lower()
+            if node.func.attr == "step" and ("engine" in receiver or "core" in receiver):
+                raise AssertionError(f"{name}:{node.lineno} steps the core")

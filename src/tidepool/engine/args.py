@@ -11,8 +11,8 @@ import torch
 
 from tidepool import envs
 from tidepool.config import CacheConfig, EngineConfig, SchedulerConfig
-from tidepool.models.resolve import build_model_config
 from tidepool.models.loader import DEFAULT_MODEL
+from tidepool.models.resolve import build_model_config
 
 logger = logging.getLogger("tidepool")
 
