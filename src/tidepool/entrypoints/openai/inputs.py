@@ -17,6 +17,8 @@ from tidepool.params import SamplingParams
 
 MAX_LOGPROBS = 20
 """Most alternatives per position a request may ask for (vLLM's default --max-logprobs)."""
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""The seeds torch.Generator.manual_seed takes."""
 INPUT_TYPES_HINT = "a string, a list of strings, a list of token ids or a list of token-id lists"
 _MAX_ERRORS_SHOWN = 3
 
@@ -169,6 +171,7 @@ def sampling_params_of(
         stops = [req.stop] if isinstance(req.stop, str) else req.stop
         for i, stop in enumerate(stops):
             check_text(stop, f"stop[{i}]", "stop")
+    _check_seed(req.seed, req.n)
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise ApiError(
             400, f"at most {MAX_LOGPROBS} logprobs per position, got {logprobs}", "logprobs"
@@ -197,6 +200,17 @@ def sampling_params_of(
         return SamplingParams(**fields)
     except ValueError as e:
         raise ApiError(400, str(e), _param_of(str(e), fields)) from e
+
+
+def _check_seed(seed: int | None, n: int) -> None:
+    """A seed torch's generators take: completion k of n is seeded with seed + k."""
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX - max(n - 1, 0):
+        raise ApiError(
+            400,
+            f"seed must be in [{SEED_MIN}, {SEED_MAX}] (with n = {n}: at most "
+            f"{SEED_MAX - max(n - 1, 0)}), got {seed}",
+            "seed",
+        )
 
 
 def _param_of(message: str, fields: dict[str, Any]) -> str | None:
