@@ -1,14 +1,18 @@
-"""Helpers for the server tests: a real `tidepool serve` subprocess on 127.0.0.1, a tiny
-random cross-encoder built offline, Prometheus text parsing."""
+"""Helpers for the server tests: a real `tidepool serve` subprocess on 127.0.0.1, or uvicorn in a
+thread over an in-process app; one keep-alive connection's requests; a tiny random cross-encoder
+built offline; Prometheus text parsing."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,3 +127,71 @@ def metric_value(metrics_text: str, name: str, labels: dict[str, str] | None = N
         if labels is None or series_labels.rstrip("}") == wanted:
             total += float(value)
     return total
+
+
+# ---------------------------------------------------------------------- in-process server
+
+
+@dataclass
+class ThreadedServer:
+    """uvicorn on 127.0.0.1 (a free port) in a thread of this process, over an app whose
+    lifespan starts and stops its engine: a real HTTP server whose engine the test can reach."""
+
+    server: object
+    thread: threading.Thread
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def connection(self, timeout_s: float = 60.0) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def start_threaded_server(app) -> ThreadedServer:
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return ThreadedServer(server, thread, port)
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+
+def request_on(
+    conn: http.client.HTTPConnection,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> Answer:
+    """One request on `conn`'s socket; fails if the server closed (or means to close) it, so a
+    sequence of calls proves they all went over the same keep-alive connection."""
+    sock_before = conn.sock
+    conn.request(method, path, body=body, headers=headers or {})
+    response = conn.getresponse()
+    payload = response.read()
+    assert not response.will_close, f"the server closes the connection after {response.status}"
+    assert sock_before is None or conn.sock is sock_before, "a new connection was opened"
+    return Answer(response.status, {k.lower(): v for k, v in response.getheaders()}, payload)

@@ -95,7 +95,9 @@ def _add_serve_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_engine_args(parser)
     parser.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--port", type=_port, default=8000, help="TCP port, 1-65535; 0 = a free one (logged)"
+    )
     parser.add_argument(
         "--api-key",
         default=None,
@@ -133,6 +135,18 @@ def _add_serve_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.set_defaults(func=cmd_serve)
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{port} is not a TCP port: give 1-65535 (or 0 for a free one)"
+        )
+    return port
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -4,16 +4,34 @@ Schemas only: no logic beyond field types and defaults. Unknown request fields a
 ignored (as vLLM and OpenAI do), so clients that send extras (`user`, Cohere's `max_tokens_per_doc`)
 work unchanged. The content fields (`input`, `text_1`, `documents`...) are typed loosely on purpose:
 the server checks them itself to answer 400 with the exact reason ("input[3] is an empty string")
-instead of a generic schema error.
+instead of a generic schema error. Every other field is strict: no coercion, so `dimensions: "8"`,
+`8.0` or `true` and `normalize: "yes"` are refused (422 naming the field) instead of guessed at;
+a float field takes an integer (JSON has one number type) but not NaN or Infinity.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+)
+
+# Strict request field types (what the docs promise a 422 for). Python's json module reads NaN
+# and Infinity, which no sampling or pooling value can mean.
+Int = StrictInt
+Bool = StrictBool
+Str = StrictStr
+Float = Annotated[float, Strict(), AllowInfNan(False)]
 
 
 def random_id(prefix: str) -> str:
@@ -37,6 +55,28 @@ class ErrorInfo(OpenAIBaseModel):
 
 class ErrorResponse(OpenAIBaseModel):
     error: ErrorInfo
+
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestEntityTooLargeError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+"""OpenAI's error `type` for each HTTP status."""
+
+
+def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
+    """OpenAI's error JSON, as vLLM fills it: `code` is the HTTP status."""
+    error = ErrorInfo(
+        message=message, type=ERROR_TYPES.get(status, "Error"), param=param, code=status
+    )
+    return ErrorResponse(error=error)
 
 
 # ---------------------------------------------------------------------- shared
@@ -64,15 +104,15 @@ class _ListResponse(OpenAIBaseModel):
 
 
 class EmbeddingRequest(OpenAIBaseModel):
-    model: str | None = None
+    model: Str | None = None
     input: Any
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
-    truncate_prompt_tokens: int | None = None
+    dimensions: Int | None = None
+    user: Str | None = None
+    truncate_prompt_tokens: Int | None = None
     """Keep the first N tokens of each input; -1 = the model's maximum (vLLM extension)."""
-    normalize: bool | None = None
+    normalize: Bool | None = None
     """L2-normalize (vLLM extension); None = what the model's configuration says."""
 
 
@@ -88,9 +128,9 @@ class EmbeddingResponse(_ListResponse):
 
 
 class PoolingRequest(EmbeddingRequest):
-    task: str | None = None
+    task: Str | None = None
     """"embed", "classify", "score", "token_embed"...; None = the model's own task."""
-    activation: bool | None = None
+    activation: Bool | None = None
 
 
 class PoolingResponseData(OpenAIBaseModel):
@@ -108,12 +148,12 @@ class PoolingResponse(_ListResponse):
 
 
 class ClassificationRequest(OpenAIBaseModel):
-    model: str | None = None
+    model: Str | None = None
     input: Any
     """A string or a list of strings (token ids also accepted)."""
-    truncate_prompt_tokens: int | None = None
-    user: str | None = None
-    activation: bool | None = None
+    truncate_prompt_tokens: Int | None = None
+    user: Str | None = None
+    activation: Bool | None = None
 
 
 class ClassificationData(OpenAIBaseModel):
@@ -132,12 +172,12 @@ class ClassificationResponse(_ListResponse):
 
 
 class ScoreRequest(OpenAIBaseModel):
-    model: str | None = None
+    model: Str | None = None
     text_1: Any
     """A string or a list of strings: 1-to-N against text_2 with one item, else N-to-N."""
     text_2: Any
-    truncate_prompt_tokens: int | None = None
-    activation: bool | None = None
+    truncate_prompt_tokens: Int | None = None
+    activation: Bool | None = None
 
 
 class ScoreResponseData(OpenAIBaseModel):
@@ -152,15 +192,15 @@ class ScoreResponse(_ListResponse):
 
 
 class RerankRequest(OpenAIBaseModel):
-    model: str | None = None
+    model: Str | None = None
     query: Any
     documents: Any
     """Strings, or objects with a "text" field (as Cohere v1 and Jina clients may send)."""
-    top_n: int | None = None
+    top_n: Int | None = None
     """Keep the best N results; None or 0 = all."""
-    return_documents: bool = True
-    truncate_prompt_tokens: int | None = None
-    activation: bool | None = None
+    return_documents: Bool = True
+    truncate_prompt_tokens: Int | None = None
+    activation: Bool | None = None
 
 
 class RerankDocument(OpenAIBaseModel):
@@ -188,73 +228,73 @@ class RerankResponse(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = False
+    include_usage: Bool | None = False
     """Send a last chunk with `usage` (and empty `choices`) before [DONE]."""
-    continuous_usage_stats: bool | None = False
+    continuous_usage_stats: Bool | None = False
     """Every chunk carries the usage so far (vLLM extension)."""
 
 
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
+    model: Str | None = None
+    n: Int = 1
+    temperature: Float | None = None
     """None = 1.0."""
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stream: bool | None = False
+    top_p: Float | None = None
+    seed: Int | None = None
+    stop: Str | list[Str] | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    user: Str | None = None
+    logit_bias: dict[str, Float] | None = None
     """Not supported: refused when not empty."""
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int = 0
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: Bool = False
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
+    truncate_prompt_tokens: Int | None = None
     """Keep only the last N prompt tokens."""
 
 
 class CompletionRequest(SamplingRequest):
     prompt: Any
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
-    max_tokens: int | None = 16
+    max_tokens: Int | None = 16
     """None = up to the model's maximum length."""
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    logprobs: Int | None = None
+    echo: Bool = False
+    suffix: Str | None = None
     """Not supported: refused when given."""
-    best_of: int | None = None
+    best_of: Int | None = None
     """Only best_of = n is accepted (vLLM V1 has no best_of either)."""
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[dict[str, Any]]
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     """Deprecated by OpenAI in favour of max_completion_tokens; both accepted."""
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = None
     tools: list[Any] | None = None
     """Not supported: refused when not empty."""
     response_format: dict[str, Any] | None = None
     """Only {"type": "text"} is accepted."""
-    chat_template: str | None = None
+    chat_template: Str | None = None
     """A Jinja template that replaces the tokenizer's (vLLM extension)."""
     chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
     """The chat template writes the special tokens (BOS) itself."""
 
 
@@ -350,12 +390,12 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    prompt: str | None = None
+    model: Str | None = None
+    prompt: Str | None = None
     messages: list[Any] | None = None
     """Chat messages, rendered with the chat template (a generating model's)."""
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -366,8 +406,8 @@ class TokenizeResponse(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    tokens: list[int]
+    model: Str | None = None
+    tokens: list[Int]
 
 
 class DetokenizeResponse(OpenAIBaseModel):

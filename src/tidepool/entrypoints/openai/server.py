@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP server: thin FastAPI routes over `OpenAIServing` and one AsyncEngine.
 
-    client ─▶ metrics ─▶ api key (401) ─▶ body size (413) ─▶ route ─▶ OpenAIServing ─▶ AsyncEngine
+    client ─▶ middleware.py (metrics, 401, 413, JSON body, 500) ─▶ route ─▶ OpenAIServing…
+           ─▶ AsyncEngine
 
 Routes and JSON mirror `vllm serve`: pooling routes, and /v1/completions and /v1/chat/completions
 (JSON, or server-sent events with `stream`) on a generating model. Every error answers OpenAI's shape:
-{"error": {"message", "type", "param", "code"}} with `code` = the HTTP status, as vLLM does.
+{"error": {"message", "type", "param", "code"}} with `code` = the HTTP status, as vLLM does
+(errors.py maps each failure to its status).
 """
 
 from __future__ import annotations
@@ -12,43 +14,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
-import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, fields
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tidepool
-from tidepool.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from tidepool.engine.async_engine import AsyncEngine
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai.errors import (
+    MAPPED_ERRORS,
+    ServerState,
+    error_response,
+    exception_response,
+)
 from tidepool.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from tidepool.entrypoints.openai.serving import ApiError, OpenAIServing, ServingLimits
+from tidepool.entrypoints.openai.middleware import (
+    DECLARED_CONTENT_TYPE,
+    STATUS_CLIENT_CLOSED,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    InternalErrorMiddleware,
+    JsonBodyMiddleware,
+    MetricsMiddleware,
+)
+from tidepool.entrypoints.openai.serving import OpenAIServing, ServingLimits
 from tidepool.entrypoints.openai.serving_generate import OpenAIServingGeneration
+from tidepool.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
-logger = logging.getLogger("tidepool")
-
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "RequestEntityTooLargeError",
-    422: "UnprocessableEntityError",
-    500: "InternalServerError",
-    501: "NotImplementedError",
-    503: "ServiceUnavailableError",
-}
-# Routes anyone may call when --api-key is set (probes and scrapers carry no key).
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
-STATUS_CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; only seen in metrics
+SHUTDOWN_MESSAGE = (
+    "the server is shutting down and the request did not finish within its --shutdown-timeout"
+)
 
 
 @dataclass(frozen=True)
@@ -70,106 +71,8 @@ class ServerArgs:
         return cls(**values)
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    error = p.ErrorInfo(
-        message=message, type=ERROR_TYPES.get(status, "Error"), param=param, code=status
-    )
-    return JSONResponse(p.ErrorResponse(error=error).model_dump(), status_code=status)
-
-
 def _json(body: BaseModel, exclude_none: bool = False) -> Response:
     return Response(body.model_dump_json(exclude_none=exclude_none), media_type="application/json")
-
-
-# ---------------------------------------------------------------------- middlewares (pure ASGI)
-
-
-class MetricsMiddleware:
-    """Counts every request by route template and status, and times it."""
-
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, known_paths: set[str]) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.known_paths = known_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status = STATUS_CLIENT_CLOSED
-
-        async def send_and_record(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_record)
-        except Exception:
-            status = 500
-            raise
-        finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or scope.get("path", "")
-            label = path if path in self.known_paths else "other"  # bounded label values
-            self.metrics.observe_request(label, status, time.perf_counter() - start)
-
-
-class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches (compared in constant time)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in PUBLIC_PATHS:
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            message = "Unauthorized: give the server's API key as 'Authorization: Bearer <key>'"
-            await error_response(401, message)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware:
-    """413 for bodies over the limit: by Content-Length up front, else while streaming in."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _message(self, num_bytes: int | None) -> str:
-        size = f"{num_bytes} bytes" if num_bytes is not None else "more"
-        return (
-            f"the request body has {size}; this server accepts at most {self.max_bytes} bytes "
-            "(--max-request-body-bytes)"
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await error_response(413, self._message(int(length)))(scope, receive, send)
-            return
-        num_received = 0
-
-        async def counting_receive() -> Message:
-            nonlocal num_received
-            message = await receive()
-            if message["type"] == "http.request":
-                num_received += len(message.get("body", b""))
-                if num_received > self.max_bytes:  # chunked upload without a Content-Length
-                    raise HTTPException(413, self._message(None))
-            return message
-
-        await self.app(scope, counting_receive, send)
 
 
 # ---------------------------------------------------------------------- disconnects
@@ -182,17 +85,32 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
 async def serve_until_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
-    """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests)."""
+    """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests).
+
+    uvicorn cancels the handlers still running when a graceful shutdown's --shutdown-timeout is
+    over: the work is cancelled too (its engine requests aborted) and the client gets a 503."""
     work_task = asyncio.ensure_future(work)
     watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
-    done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await _cancel(watch_task)
+        await _cancel(work_task)
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()  # the answer below is how this cancellation ends
+        return error_response(503, SHUTDOWN_MESSAGE)
     if work_task in done:
         watch_task.cancel()
         return work_task.result()
-    work_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await work_task
+    await _cancel(work_task)
     return Response(status_code=STATUS_CLIENT_CLOSED)
 
 
@@ -205,26 +123,31 @@ def build_app(engine: AsyncEngine, args: ServerArgs | argparse.Namespace | None 
         args = ServerArgs.from_namespace(args)
     args = args or ServerArgs()
     names = list(args.served_model_name or [engine.model_config.model])
+    state = ServerState()
     serving = OpenAIServing(engine, names, ServingLimits(args.max_inputs_per_request))
+    tokenization = OpenAIServingTokenization(serving)
     metrics = ServerMetrics(engine)
     engine.add_step_listener(metrics.on_step)
-    generation = OpenAIServingGeneration(engine, serving, metrics)
+    generation = OpenAIServingGeneration(engine, serving, tokenization, metrics, state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
+        state.stopping = True
         await engine.shutdown(args.shutdown_timeout_s)
 
     app = FastAPI(title="tidepool", version=tidepool.__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.serving = serving
     app.state.metrics = metrics
-    _add_exception_handlers(app)
-    _add_routes(app, serving, metrics)
+    _add_exception_handlers(app, state)
+    _add_routes(app, serving, tokenization, metrics)
     _add_generation_routes(app, generation)
     known_paths = {getattr(r, "path", "") for r in app.routes}
-    # Added last = outermost: metrics sees the 401s and 413s of the inner layers.
+    # Each one added wraps the ones before: metrics, outermost, sees every status.
+    app.add_middleware(InternalErrorMiddleware)
+    app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
@@ -239,7 +162,12 @@ def _count_tokens(metrics: ServerMetrics, route: str, body: BaseModel) -> None:
         metrics.prompt_tokens.labels(route).inc(num_tokens)
 
 
-def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) -> None:
+def _add_routes(
+    app: FastAPI,
+    serving: OpenAIServing,
+    tokenization: OpenAIServingTokenization,
+    metrics: ServerMetrics,
+) -> None:
     def engine_route(
         path: str,
         handler: Callable[[Any], Awaitable[BaseModel]],
@@ -267,8 +195,8 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) ->
         engine_route(path, serving.score, p.ScoreRequest)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         engine_route(path, serving.rerank, p.RerankRequest, exclude_none=True)
-    engine_route("/tokenize", serving.tokenize, p.TokenizeRequest)
-    engine_route("/detokenize", serving.detokenize, p.DetokenizeRequest)
+    engine_route("/tokenize", tokenization.tokenize, p.TokenizeRequest)
+    engine_route("/detokenize", tokenization.detokenize, p.DetokenizeRequest)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -314,42 +242,48 @@ def _add_generation_routes(app: FastAPI, generation: OpenAIServingGeneration) ->
         return await serve_until_disconnect(raw_request, work())
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    for error in exc.errors():
+# ---------------------------------------------------------------------- schema errors
+
+
+def _is_empty_body(error: dict[str, Any]) -> bool:
+    return error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",)
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    """A body that is not JSON (or none) is a bad request, 400; JSON of the wrong shape, 422."""
+    errors = exc.errors()
+    for error in errors:
         if error.get("type") == "json_invalid":
             reason = (error.get("ctx") or {}).get("error", "")
-            return f"the request body is not valid JSON: {reason}".rstrip(": ")
-    parts = []
-    for error in exc.errors()[:5]:
-        where = ".".join(str(x) for x in error.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{where}: {error.get('msg', 'invalid')}")
-    return "; ".join(parts)
+            message = f"the request body is not valid JSON: {reason}".rstrip(": ")
+            declared = request.scope.get(DECLARED_CONTENT_TYPE)
+            if declared:
+                message += f" (it was sent as {declared}; the server reads every body as JSON)"
+            return error_response(400, message)
+    if any(_is_empty_body(error) for error in errors):
+        message = "the request body is empty: send a JSON object (Content-Type: application/json)"
+        return error_response(400, message)
+    parts, fields_named = [], []
+    for error in errors[:5]:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        fields_named += loc[:1]
+        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}")
+    return error_response(422, "; ".join(parts), fields_named[0] if fields_named else None)
 
 
-def _add_exception_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
+def _add_exception_handlers(app: FastAPI, state: ServerState) -> None:
+    """Errors raised in a route; anything else is InternalErrorMiddleware's 500."""
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # A body that is not JSON at all is a bad request; JSON of the wrong shape is a 422.
-        is_json_error = any(e.get("type") == "json_invalid" for e in exc.errors())
-        return error_response(400 if is_json_error else 422, _validation_message(exc))
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _validation_error(request, exc)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(_: Request, exc: HTTPException) -> Response:
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(EngineClosedError)
-    async def engine_closed(_: Request, exc: EngineClosedError) -> JSONResponse:
-        return error_response(503, str(exc))
+    async def mapped_error(_: Request, exc: Exception) -> Response:
+        return exception_response(exc, state)
 
-    @app.exception_handler(EngineStepError)
-    async def engine_step_error(_: Request, exc: EngineStepError) -> JSONResponse:
-        return error_response(500, str(exc))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in a request", exc_info=exc)
-        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+    for exc_type in MAPPED_ERRORS:
+        app.add_exception_handler(exc_type, mapped_error)

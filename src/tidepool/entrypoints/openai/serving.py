@@ -1,4 +1,6 @@
-"""What each route does: parse and check the request, run it on the AsyncEngine, build the response.
+"""The pooling routes (embeddings, pooling, classify, score, rerank) and the checks every route
+shares (model name, input count, task): parse and check the request, run it on the AsyncEngine,
+build the response.
 
 Every client mistake becomes an `ApiError` with the HTTP status and the reason; the routes in
 server.py only call these methods and serialize the result.
@@ -17,23 +19,17 @@ import torch.nn.functional as F
 
 from tidepool.engine.async_engine import AsyncEngine
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai.errors import ApiError
+from tidepool.entrypoints.openai.inputs import (
+    check_text,
+    format_batch_error,
+    parse_prompts,
+    parse_texts,
+)
 from tidepool.outputs import BatchInputError, PoolingRequestOutput
 from tidepool.params import PoolingParams
 
 T = TypeVar("T")
-
-INPUT_TYPES_HINT = "a string, a list of strings, a list of token ids or a list of token-id lists"
-_MAX_ERRORS_SHOWN = 3
-
-
-class ApiError(Exception):
-    """A request the server refuses, with its HTTP status and a message for the client."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -42,78 +38,7 @@ class ServingLimits:
     """More inputs (or documents, or pairs) in one request → 413."""
 
 
-# ---------------------------------------------------------------------- parsing helpers
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def parse_prompts(value: Any, param: str = "input") -> list[Any]:
-    """`input` as OpenAI accepts it → prompts for InputProcessor (strings or token-id dicts).
-
-    "a" → ["a"];  ["a", "b"] → ["a", "b"];  [1, 2] → [{ids: [1, 2]}];  [[1], [2]] → two prompts.
-    """
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list):
-        raise ApiError(400, f"{param} must be {INPUT_TYPES_HINT}, got {_type_name(value)}", param)
-    if not value:
-        raise ApiError(400, f"{param} is an empty list: give at least one input", param)
-    if all(_is_token_id(v) for v in value):
-        return [{"prompt_token_ids": value}]
-    prompts: list[Any] = []
-    for i, item in enumerate(value):
-        if isinstance(item, str):
-            prompts.append(item)
-        elif isinstance(item, list):
-            prompts.append({"prompt_token_ids": item})
-        else:
-            raise ApiError(
-                400,
-                f"{param}[{i}] has type {_type_name(item)}; expected a string or a list of token "
-                f"ids ({param} must be {INPUT_TYPES_HINT})",
-                param,
-            )
-    return prompts
-
-
-def parse_texts(value: Any, param: str, allow_single: bool = True) -> list[str]:
-    """A string or a non-empty list of strings (score and rerank inputs)."""
-    if isinstance(value, str) and allow_single:
-        return [value]
-    if isinstance(value, dict) and "text" in value and allow_single:
-        return parse_texts(value["text"], param)
-    if not isinstance(value, list):
-        raise ApiError(
-            400, f"{param} must be a string or a list of strings, got {_type_name(value)}", param
-        )
-    if not value:
-        raise ApiError(400, f"{param} is an empty list", param)
-    texts = []
-    for i, item in enumerate(value):
-        if isinstance(item, dict) and isinstance(item.get("text"), str):
-            item = item["text"]  # Cohere v1 / Jina document objects
-        if not isinstance(item, str):
-            raise ApiError(
-                400, f"{param}[{i}] has type {_type_name(item)}; expected a string", param
-            )
-        if not item:
-            raise ApiError(400, f"{param}[{i}] is an empty string", param)
-        texts.append(item)
-    return texts
-
-
-def _type_name(value: Any) -> str:
-    return {type(None): "null", dict: "object", list: "array", str: "string", bool: "boolean"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _format_batch_error(error: BatchInputError, param: str) -> str:
-    shown = [f"{param}[{e.index}]: {e.message}" for e in error.errors[:_MAX_ERRORS_SHOWN]]
-    more = len(error.errors) - _MAX_ERRORS_SHOWN
-    return "; ".join(shown) + (f" (and {more} more invalid inputs)" if more > 0 else "")
+# ---------------------------------------------------------------------- output helpers
 
 
 def encode_floats(values: torch.Tensor, encoding_format: str) -> list[Any] | str:
@@ -155,7 +80,7 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{requested}` does not exist.", "model")
         return requested
 
-    def _check_count(self, num_inputs: int, param: str) -> None:
+    def check_count(self, num_inputs: int, param: str) -> None:
         limit = self.limits.max_inputs_per_request
         if num_inputs > limit:
             raise ApiError(
@@ -178,6 +103,10 @@ class OpenAIServing:
                 f"(supported pooling tasks: {supported})",
             )
 
+    def _default_task(self) -> str:
+        """The pooling task of a request that names none: the model's own."""
+        return "classify" if self.model_config.task == "classify" else "embed"
+
     def _params(self, param: str = "input", **fields: Any) -> PoolingParams:
         try:
             return PoolingParams(**fields)
@@ -188,13 +117,13 @@ class OpenAIServing:
         try:
             return await work
         except BatchInputError as e:
-            raise ApiError(400, _format_batch_error(e, param), param) from e
+            raise ApiError(400, format_batch_error(e, param), param) from e
 
     async def _encode_input(self, value: Any, **param_fields: Any) -> list[PoolingRequestOutput]:
         """Every prompt of a request's `input` through the engine with the same PoolingParams
         (checked in this order: the prompts, their count, the parameters; 400 / 413 on a fault)."""
         prompts = parse_prompts(value)
-        self._check_count(len(prompts), "input")
+        self.check_count(len(prompts), "input")
         params = self._params(**param_fields)
         return await self._run(self.engine.encode(prompts, [params] * len(prompts)), "input")
 
@@ -220,7 +149,7 @@ class OpenAIServing:
 
     async def pool(self, req: p.PoolingRequest) -> p.PoolingResponse:
         model = self.model_name(req.model)
-        task = req.task or ("classify" if self.model_config.task == "classify" else "embed")
+        task = req.task or self._default_task()
         self._check_task(task, f"Pooling (task={task})")
         outputs = await self._encode_input(
             req.input,
@@ -273,7 +202,7 @@ class OpenAIServing:
                 "(1-to-N) or as many as text_2 (N-to-N)",
                 "text_1",
             )
-        self._check_count(len(second), "text_2")
+        self.check_count(len(second), "text_2")
         scores, num_tokens = await self._score_pairs(
             list(zip(first, second, strict=True)), req.truncate_prompt_tokens, req.activation
         )
@@ -285,8 +214,9 @@ class OpenAIServing:
         model = self.model_name(req.model)
         if not isinstance(req.query, str) or not req.query:
             raise ApiError(400, f"query must be a non-empty string, got {req.query!r:.40}", "query")
+        check_text(req.query, "query", "query")
         documents = parse_texts(req.documents, "documents", allow_single=False)
-        self._check_count(len(documents), "documents")
+        self.check_count(len(documents), "documents")
         if req.top_n is not None and req.top_n < 0:
             raise ApiError(400, f"top_n must be >= 0 (0 = all), got {req.top_n}", "top_n")
         pairs = [(req.query, doc) for doc in documents]
@@ -307,6 +237,9 @@ class OpenAIServing:
         return p.RerankResponse(
             model=model, usage=p.RerankUsage(total_tokens=num_tokens), results=results
         )
+
+    # Scoring (cross-encoder pairs, or the cosine of embeddings) lives here only until the
+    # engine's shared scoring replaces it: keep it to these two methods.
 
     async def _score_pairs(
         self,
@@ -354,85 +287,6 @@ class OpenAIServing:
         scores = [s if math.isfinite(s) else 0.0 for s in scores]
         return scores, sum(len(o.prompt_token_ids) for o in outputs)
 
-    async def render_chat(
-        self,
-        messages: list[Any],
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> str:
-        """Chat messages → the prompt text, by the tokenizer's chat template (or `chat_template`)."""
-        messages = check_messages(messages)
-        tokenizer = self.engine.tokenizer
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ApiError(
-                400,
-                "The model's tokenizer has no chat template, so the messages cannot be turned "
-                "into a prompt: pass a Jinja template as `chat_template` in the request, or send "
-                "a prompt instead",
-                "messages",
-            )
-
-        def render() -> str:
-            return tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}),
-            )
-
-        try:
-            prompt = await self.engine.run_in_tokenizer(render)
-        except Exception as e:  # jinja2 errors, transformers' ValueErrors, bad kwargs
-            message = f"the chat template failed on these messages: {type(e).__name__}: {e}"
-            raise ApiError(400, message, "messages") from e
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "the chat template rendered an empty prompt", "messages")
-        return prompt
-
-    # ------------------------------------------------------------------ tokenize
-
-    async def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
-        self.model_name(req.model)
-        add_special_tokens = req.add_special_tokens
-        prompt = req.prompt
-        if req.messages is not None:
-            prompt = await self.render_chat(req.messages)
-            add_special_tokens = False  # the template writes them (as in /v1/chat/completions)
-        if prompt is None:
-            raise ApiError(400, "give 'prompt' (a string) or 'messages' to tokenize", "prompt")
-        tokenizer = self.engine.tokenizer
-
-        def run() -> tuple[list[int], list[str] | None]:
-            ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-            return ids, tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-
-        ids, strs = await self.engine.run_in_tokenizer(run)
-        return p.TokenizeResponse(
-            count=len(ids),
-            max_model_len=self.model_config.max_model_len,
-            tokens=ids,
-            token_strs=strs,
-        )
-
-    async def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
-        self.model_name(req.model)
-        tokenizer = self.engine.tokenizer
-
-        def run() -> str:
-            # Even len() reads the Rust tokenizer: only the tokenizer thread may touch it.
-            vocab_size = len(tokenizer)
-            for token in req.tokens:
-                if not 0 <= token < vocab_size:
-                    message = f"token id {token} is outside the vocabulary [0, {vocab_size})"
-                    raise ApiError(400, message, "tokens")
-            return tokenizer.decode(req.tokens)
-
-        return p.DetokenizeResponse(prompt=await self.engine.run_in_tokenizer(run))
-
     # ------------------------------------------------------------------ models
 
     def models(self) -> p.ModelList:
@@ -459,41 +313,6 @@ class OpenAIServing:
                 "model",
             )
         return name
-
-
-def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Chat messages for the template: a role each, content a string (text parts joined)."""
-    if not messages:
-        raise ApiError(400, "messages is an empty list: give at least one message", "messages")
-    checked = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ApiError(400, f"messages[{i}] is not an object", "messages")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise ApiError(400, f"messages[{i}] has no 'role' (a string)", "messages")
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ApiError(
-                        400,
-                        f"messages[{i}].content has a part of type {kind!r}; only text parts "
-                        "are supported",
-                        "messages",
-                    )
-                texts.append(str(part.get("text", "")))
-            content = "\n".join(texts)
-        elif content is not None and not isinstance(content, str):
-            raise ApiError(
-                400,
-                f"messages[{i}].content must be a string or a list of text parts",
-                "messages",
-            )
-        checked.append({**message, "content": content})
-    return checked
 
 
 def _field_of(message: str, default: str) -> str:

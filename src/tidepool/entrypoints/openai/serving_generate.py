@@ -13,7 +13,6 @@ after the stream has started is sent as an event ({"error": {...}}), then [DONE]
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -21,26 +20,21 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from tidepool.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from tidepool.engine.async_engine import AsyncEngine
 from tidepool.engine.generation_stream import GenerationInput, GenerationStream
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai.errors import ApiError, ServerState, error_event
+from tidepool.entrypoints.openai.inputs import format_batch_error, parse_prompts, sampling_params_of
+from tidepool.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from tidepool.entrypoints.openai.metrics import ServerMetrics
-from tidepool.entrypoints.openai.serving import (
-    ApiError,
-    OpenAIServing,
-    _format_batch_error,
-    parse_prompts,
-)
-from tidepool.outputs import BatchInputError, CompletionOutput, Logprob, RequestError
+from tidepool.entrypoints.openai.serving import OpenAIServing
+from tidepool.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from tidepool.outputs import BatchInputError, CompletionOutput, RequestError
 from tidepool.params import SamplingParams
 from tidepool.request import Request
 
-logger = logging.getLogger("tidepool")
-
 SSE_DONE = "data: [DONE]\n\n"
 _Choice = TypeVar("_Choice", bound=BaseModel)
-MAX_LOGPROBS = 20
-"""Most alternatives per position a request may ask for (vLLM's default --max-logprobs)."""
 COMPLETIONS_ROUTE = "/v1/completions"
 CHAT_ROUTE = "/v1/chat/completions"
 
@@ -78,11 +72,18 @@ class _Usage:
 
 class OpenAIServingGeneration:
     def __init__(
-        self, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics | None = None
+        self,
+        engine: AsyncEngine,
+        serving: OpenAIServing,
+        tokenization: OpenAIServingTokenization,
+        metrics: ServerMetrics | None = None,
+        state: ServerState | None = None,
     ) -> None:
         self.engine = engine
         self.serving = serving
+        self.tokenization = tokenization
         self.metrics = metrics
+        self.state = state
         self.max_model_len = engine.model_config.max_model_len
 
     # ------------------------------------------------------------------ completions
@@ -100,7 +101,7 @@ class OpenAIServingGeneration:
                 400, "echo with logprobs needs prompt logprobs, which are not computed", "echo"
             )
         prompts = parse_prompts(req.prompt, "prompt")
-        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        params = sampling_params_of(req, req.max_tokens, req.logprobs)
         prep = await self._prepare(model, prompts, params, req.add_special_tokens, "prompt")
         echo_texts = await self._echo_texts(prompts, prep) if req.echo else None
         if req.stream:
@@ -169,8 +170,8 @@ class OpenAIServingGeneration:
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
-        params = self._sampling_params(req, max_tokens, num_logprobs)
-        prompt = await self.serving.render_chat(
+        params = sampling_params_of(req, max_tokens, num_logprobs)
+        prompt = await self.tokenization.render_chat(
             req.messages,
             req.chat_template,
             req.add_generation_prompt,
@@ -216,40 +217,6 @@ class OpenAIServingGeneration:
 
     # ------------------------------------------------------------------ shared
 
-    def _sampling_params(
-        self, req: p.SamplingRequest, max_tokens: int | None, logprobs: int | None
-    ) -> SamplingParams:
-        if req.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", "logit_bias")
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise ApiError(
-                400, f"at most {MAX_LOGPROBS} logprobs per position, got {logprobs}", "logprobs"
-            )
-        fields: dict[str, Any] = dict(
-            n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            seed=req.seed,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            stop=req.stop,
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
-            truncate_prompt_tokens=req.truncate_prompt_tokens,
-        )
-        try:
-            return SamplingParams(**fields)
-        except ValueError as e:
-            raise ApiError(400, str(e), _param_of(str(e), fields)) from e
-
     async def _prepare(
         self,
         model: str,
@@ -261,7 +228,7 @@ class OpenAIServingGeneration:
         """Tokenize, check lengths, and make n requests per prompt (a seed gives completion k
         the seed + k, as offline)."""
         num_choices = params.n
-        self.serving._check_count(len(prompts) * num_choices, param)
+        self.serving.check_count(len(prompts) * num_choices, param)
         child_prompts = [prompt for prompt in prompts for _ in range(num_choices)]
         child_params = [
             params
@@ -277,7 +244,7 @@ class OpenAIServingGeneration:
         except BatchInputError as e:
             by_prompt = {err.index // num_choices: err.message for err in e.errors}
             errors = [RequestError(i, message) for i, message in sorted(by_prompt.items())]
-            raise ApiError(400, _format_batch_error(BatchInputError(errors), param), param) from e
+            raise ApiError(400, format_batch_error(BatchInputError(errors), param), param) from e
         inputs = []
         num_prompt_tokens = 0
         for index, request in enumerate(requests):
@@ -413,7 +380,7 @@ class OpenAIServingGeneration:
                 usage.num_completion_tokens += sum(len(d.token_ids) for d in deltas)
                 yield deltas
         except Exception as exc:  # after the 200 went out: report in the stream itself
-            yield error_event(exc)
+            yield error_event(exc, self.state)
         finally:
             if stream is not None:
                 stream.abort()  # nothing if it ended; a client gone → abort in the engine
@@ -431,77 +398,3 @@ class OpenAIServingGeneration:
 
 def _wants(req: p.SamplingRequest, option: str) -> bool:
     return bool(req.stream_options is not None and getattr(req.stream_options, option))
-
-
-def _param_of(message: str, fields: dict[str, Any]) -> str | None:
-    name = message.split(" ", 1)[0]
-    return name if name in fields else None
-
-
-def error_event(exc: Exception) -> str:
-    """An error inside a started stream: OpenAI's error JSON as one event (vLLM does the same)."""
-    if isinstance(exc, ApiError):
-        status, message = exc.status, exc.message
-    elif isinstance(exc, EngineClosedError):
-        status, message = 503, str(exc)
-    elif isinstance(exc, EngineStepError):
-        status, message = 500, str(exc)
-    elif isinstance(exc, BatchInputError):
-        status, message = 400, str(exc)
-    else:
-        logger.exception("unhandled error in a stream", exc_info=exc)
-        status, message = 500, f"internal server error: {type(exc).__name__}: {exc}"
-    from tidepool.entrypoints.openai.server import ERROR_TYPES
-
-    error = p.ErrorInfo(message=message, type=ERROR_TYPES.get(status, "Error"), code=status)
-    return sse(p.ErrorResponse(error=error))
-
-
-def completion_logprobs(
-    completion: CompletionOutput, text_offset: int
-) -> tuple[p.CompletionLogProbs, int]:
-    """The legacy completions logprobs of a completion (or a delta), and the text offset after."""
-    result = p.CompletionLogProbs()
-    for token_id, position in zip(completion.token_ids, completion.logprobs or (), strict=False):
-        sampled = position.get(token_id)
-        token = _token_text(sampled)
-        result.tokens.append(token)
-        result.token_logprobs.append(sampled.logprob if sampled is not None else None)
-        result.top_logprobs.append(
-            {_token_text(lp): lp.logprob for lp in sorted(position.values(), key=_rank)}
-        )
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
-    return result, text_offset
-
-
-def chat_logprobs(completion: CompletionOutput, num_top: int | None) -> p.ChatChoiceLogProbs | None:
-    """None when the request asked for no logprobs (`num_top` None)."""
-    if num_top is None or completion.logprobs is None:
-        return None
-    content = []
-    for token_id, position in zip(completion.token_ids, completion.logprobs, strict=False):
-        sampled = position.get(token_id)
-        if sampled is None:
-            continue
-        tops = [lp for lp in sorted(position.values(), key=_rank) if lp.rank <= num_top]
-        content.append(
-            p.ChatLogProbsContent(
-                **_chat_logprob(sampled),
-                top_logprobs=[p.ChatLogProb(**_chat_logprob(lp)) for lp in tops[:num_top]],
-            )
-        )
-    return p.ChatChoiceLogProbs(content=content)
-
-
-def _chat_logprob(lp: Logprob) -> dict[str, Any]:
-    token = _token_text(lp)
-    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
-
-
-def _token_text(lp: Logprob | None) -> str:
-    return "" if lp is None or lp.decoded_token is None else lp.decoded_token
-
-
-def _rank(lp: Logprob) -> int:
-    return lp.rank
