@@ -364,51 +364,21 @@ class InputProcessor:
         results: list[Request | RequestError | None] = [None] * len(prompts)
         token_ids: list[list[int] | None] = [None] * len(prompts)
         texts: list[tuple[int, str]] = []
-        num_special = self._prefix_tokenizer.num_special_tokens(False, add_special_tokens)
-        # Without truncation, a prefix one token over the limit refuses the text; keeping the
-        # last tokens needs the whole text, so its length is capped instead.
-        keep_all_limit = max(self.max_model_len - num_special, 0) + 1
         for i, prompt in enumerate(prompts):
             p = self._parse(prompt)
             if isinstance(p, str):
                 results[i] = RequestError(i, p)
             elif p.token_ids is not None:
                 token_ids[i] = p.token_ids
-            elif params[i].truncate_prompt_tokens is not None and (
-                len(p.text) > (limit := read_limit(self.max_model_len))  # type: ignore[arg-type]
-            ):
-                results[i] = RequestError(
-                    i,
-                    f"the prompt has {len(p.text):,} characters; truncate_prompt_tokens keeps the "  # type: ignore[arg-type]
-                    f"last tokens, which needs the whole text read, and tidepool reads at most "
-                    f"{limit:,} ({CHARS_PER_TOKEN} per token of max_model_len): shorten it",
-                )
             else:
                 texts.append((i, p.text))  # type: ignore[arg-type]
-        firsts = self._prefix_tokenizer.first_tokens(
-            [text for _, text in texts],
-            [
-                len(text) if params[i].truncate_prompt_tokens is not None else keep_all_limit
-                for i, text in texts
-            ],
-        )
-        for (i, text), first in zip(texts, firsts, strict=True):
-            if not first.complete:
-                results[i] = RequestError(
-                    i,
-                    self._too_sparse("the prompt", first, keep_all_limit, len(text))
-                    if first.num_tokens < keep_all_limit
-                    else self._too_long(
-                        "the prompt",
-                        first.num_tokens + num_special,
-                        first.num_chars_read,
-                        len(text),
-                    ),
-                )
-                continue
-            token_ids[i] = self._prefix_tokenizer.with_special_tokens(
-                first.token_ids, None, add_special_tokens
-            )[0]
+        keeps_last = [params[i].truncate_prompt_tokens is not None for i, _ in texts]
+        encoded = self._tokenize_generate([t for _, t in texts], keeps_last, add_special_tokens)
+        for (i, _), ids_or_error in zip(texts, encoded, strict=True):
+            if isinstance(ids_or_error, str):
+                results[i] = RequestError(i, ids_or_error)
+            else:
+                token_ids[i] = ids_or_error
         for i, ids in enumerate(token_ids):
             if ids is None:
                 continue
@@ -428,3 +398,46 @@ class InputProcessor:
                     arrival_index=i,
                 )
         return results  # type: ignore[return-value]
+
+    def _tokenize_generate(
+        self, texts: list[str], keeps_last: list[bool], add_special_tokens: bool
+    ) -> list[list[int] | str]:
+        """Token ids (special tokens included) of each text, or why it is refused. Without
+        truncation, a prefix one token over the limit refuses a text; keeping the last tokens
+        needs the whole text, so its length is capped by the read limit instead."""
+        num_special = self._prefix_tokenizer.num_special_tokens(False, add_special_tokens)
+        num_wanted = max(self.max_model_len - num_special, 0) + 1
+        limit = read_limit(self.max_model_len)
+        out: list[list[int] | str] = []
+        readable = [k for k, text in enumerate(texts) if not (keeps_last[k] and len(text) > limit)]
+        firsts = self._prefix_tokenizer.first_tokens(
+            [texts[k] for k in readable],
+            # Wanting as many tokens as characters makes the read limit cover the whole text.
+            [len(texts[k]) if keeps_last[k] else num_wanted for k in readable],
+        )
+        by_index = dict(zip(readable, firsts, strict=True))
+        for k, text in enumerate(texts):
+            first = by_index.get(k)
+            if first is None:
+                out.append(
+                    f"the prompt has {len(text):,} characters; truncate_prompt_tokens keeps the "
+                    "last tokens, which needs the whole text read, and tidepool reads at most "
+                    f"{limit:,} ({CHARS_PER_TOKEN} per token of max_model_len): shorten it"
+                )
+            elif not first.complete:
+                out.append(
+                    self._too_sparse("the prompt", first, num_wanted, len(text))
+                    if first.num_tokens < num_wanted
+                    else self._too_long(
+                        "the prompt",
+                        first.num_tokens + num_special,
+                        first.num_chars_read,
+                        len(text),
+                    )
+                )
+            else:
+                ids, _ = self._prefix_tokenizer.with_special_tokens(
+                    first.token_ids, None, add_special_tokens
+                )
+                out.append(ids)
+        return out
