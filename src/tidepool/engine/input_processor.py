@@ -3,7 +3,7 @@
 A bad prompt never raises here: it becomes a `RequestError` for that prompt alone, so the rest of
 a batch goes on. Every text passes `text_checks.unicode_problem` first; texts are tokenized by
 `PrefixTokenizer`, which reads only as much of a text as the tokens it may keep (the rule is in
-docs/server.md, "Long texts"). Safe to call from several threads at once: nothing here changes
+docs/server.md, "Text inputs"). Safe to call from several threads at once: nothing here changes
 after construction but the request-id counter (itertools.count: atomic under the GIL).
 
 truncate_prompt_tokens counts special tokens, as in vLLM and transformers: 8 on BERT keeps
