@@ -86,6 +86,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     """The transformers backend may run modeling code shipped in the model folder."""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.max_model_len, bool) or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
     @property
     def runner_type(self) -> str:
         """ "generate" (hidden states → logits → sampler) or "pooling" (→ pooler)."""

@@ -195,3 +195,57 @@ def test_same_instance_still_works_after_errors(llm):
     outs = llm.embed(["still alive", "and well"], use_tqdm=False)
     assert outs[0].outputs.embedding == pytest.approx(before, abs=1e-6)
     assert torch.tensor(outs[1].outputs.embedding).norm() == pytest.approx(1.0, abs=1e-5)
+
+
+SURROGATE = (
+    "has a lone surrogate U+D800 at character 4; text must be valid Unicode "
+    "(surrogates U+D800..U+DFFF cannot be encoded as UTF-8)"
+)
+
+
+def test_lone_surrogate_fails_that_prompt_alone(llm, tiny_llm):
+    with pytest.raises(BatchInputError) as info:
+        llm.embed(
+            ["ok", "abc \ud800", {"prompt": "abc \ud800"}, "a\x00b \u202eשלום"], use_tqdm=False
+        )
+    assert info.value.errors == [
+        RequestError(1, f"the prompt {SURROGATE}"),
+        RequestError(2, f"the prompt {SURROGATE}"),
+    ]
+    ok, _, _, odd = info.value.outputs
+    assert ok.outputs.embedding == pytest.approx(_alone(llm, "ok"), abs=1e-5)
+    assert odd is not None  # NUL, RTL marks and Hebrew are fine
+    cross = tiny_llm("bert-cross-encoder")
+    with pytest.raises(BatchInputError) as info:
+        cross.score("q", ["doc", "abc \ud800"], use_tqdm=False)
+    assert info.value.errors == [RequestError(1, f"the second text of the pair {SURROGATE}")]
+    assert info.value.outputs[0].outputs.score == pytest.approx(
+        cross.score("q", "doc", use_tqdm=False)[0].outputs.score, abs=1e-6
+    )
+
+
+def test_truncate_prompt_tokens_below_the_special_tokens(llm):
+    with pytest.raises(BatchInputError) as info:
+        llm.embed(["tide " * 300, "x"], truncate_prompt_tokens=1, use_tqdm=False)
+    assert [e.index for e in info.value.errors] == [0, 1]
+    assert info.value.errors[0].message.startswith(
+        "truncate_prompt_tokens=1 leaves no room for text: it counts the 2 special tokens"
+    )
+    out = llm.embed("tide " * 300, truncate_prompt_tokens=3, use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) == 3
+
+
+def test_huge_text_is_refused_quickly_and_truncated_quickly(llm):
+    import time
+
+    huge = "the tide pool is deep. " * 1_400_000  # 32 MB
+    start = time.perf_counter()
+    with pytest.raises(BatchInputError, match=f"is longer than {MAX_LEN} tokens") as info:
+        llm.embed(["short", huge], use_tqdm=False)
+    [out] = llm.embed(huge, truncate_prompt_tokens=-1, use_tqdm=False)
+    assert time.perf_counter() - start < 2.0
+    assert info.value.outputs[0] is not None
+    assert out.outputs.embedding == pytest.approx(
+        _alone(llm, {"prompt_token_ids": out.prompt_token_ids}), abs=1e-5
+    )
+    assert len(out.prompt_token_ids) == MAX_LEN

@@ -1,7 +1,15 @@
 """Prompts → validated requests: tokenization (batched, fast tokenizer), pairs, truncation, checks.
 
 A bad prompt never raises here: it becomes a `RequestError` for that prompt alone, so the rest of
-a batch goes on.
+a batch goes on. Every text passes `text_checks.unicode_problem` first; texts are tokenized by
+`PrefixTokenizer`, which reads only as much of a text as the tokens it may keep (the rule is in
+docs/server.md, "Text inputs"). Safe to call from several threads at once: nothing here changes
+after construction but the request-id counter (itertools.count: atomic under the GIL).
+
+truncate_prompt_tokens counts special tokens, as in vLLM and transformers: 8 on BERT keeps
+[CLS] + 6 tokens of text + [SEP]. A value that leaves no token of text (1 or 2 on BERT, fewer than
+5 for a pair) is refused; -1 means max_model_len. Token-id prompts get no special tokens added, so
+there it is the number of ids kept.
 """
 
 from __future__ import annotations
@@ -12,6 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidepool.config import ModelConfig
+from tidepool.engine.prefix_tokenizer import (
+    CHARS_PER_TOKEN,
+    FirstTokens,
+    PrefixTokenizer,
+    read_limit,
+)
+from tidepool.engine.text_checks import unicode_problem
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
@@ -27,6 +42,39 @@ class _Parsed:
     token_ids: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class _Budget:
+    """How many tokens of text (special tokens excluded) one prompt may have."""
+
+    num_tokens: int
+    """Tokens of text the prompt may keep."""
+    truncate: bool
+    """A longer text is cut to `num_tokens` (truncate_prompt_tokens); else it is refused."""
+
+    @property
+    def num_wanted(self) -> int:
+        """Tokens to read from the text: one more than it may keep tells that it is too long."""
+        return max(self.num_tokens, 0) + (0 if self.truncate else 1)
+
+
+def longest_first(num_first: int, num_second: int, budget: int) -> tuple[int, int]:
+    """Tokens kept of each text of a pair: the tokenizers library's "longest_first" truncation
+    (the longer text is cut first; when both are longer than half, the budget is split, the odd
+    token to the longer one). One difference: when both texts are longer than the whole budget,
+    the first keeps budget // 2 and the second the rest, whichever is longer: knowing which is
+    would mean reading both texts whole."""
+    if num_first + num_second <= budget:
+        return num_first, num_second
+    half = budget // 2
+    if num_first > budget and num_second > budget:
+        return half, budget - half
+    if 2 * min(num_first, num_second) > budget:
+        return (budget - half, half) if num_first > num_second else (half, budget - half)
+    if num_first <= num_second:
+        return num_first, budget - num_first
+    return budget - num_second, num_second
+
+
 def _describe(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
@@ -40,6 +88,14 @@ class InputProcessor:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_config.path))
         # We check lengths ourselves; stop transformers warning about long inputs.
         self.tokenizer.model_max_length = 1 << 30
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(
+                f"{model_config.model}: tidepool needs a fast tokenizer (tokenizer.json); "
+                f"{type(self.tokenizer).__name__} has none"
+            )
+        self._prefix_tokenizer = PrefixTokenizer(backend)
+        self._num_special = self._prefix_tokenizer.num_special_tokens(pair=False)
         self.vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0) or 0)
         self.keep_token_types = model_config.uses_token_type_ids
         st = model_config.st
@@ -67,6 +123,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             if prompt == "":
                 return "the prompt is an empty string"
+            if problem := unicode_problem(prompt):
+                return f"the prompt {problem}"
             return _Parsed(text=prompt)
         return f"the prompt has type {_describe(prompt)}; expected {PROMPT_TYPES_HINT}"
 
@@ -87,6 +145,7 @@ class InputProcessor:
         return text.lower() if self.lower_case else text
 
     def _truncation(self, params: PoolingParams) -> int | None:
+        """Token-id prompts: how many ids to keep (None: all)."""
         tpt = params.truncate_prompt_tokens
         if tpt is None:
             return None
@@ -98,6 +157,26 @@ class InputProcessor:
             )
         return tpt
 
+    def _budget(self, params: PoolingParams, pair: bool) -> _Budget | str:
+        """Text prompts: the tokens of text one prompt may keep, or why `params` cannot work."""
+        num_special = self._num_special_pair if pair else self._num_special
+        tpt = params.truncate_prompt_tokens
+        if tpt is None:
+            return _Budget(self.max_model_len - num_special, truncate=False)
+        if tpt > self.max_model_len:
+            return f"truncate_prompt_tokens={tpt} is larger than max_model_len={self.max_model_len}"
+        total = self.max_model_len if tpt == -1 else tpt
+        min_text = 2 if pair else 1
+        if total - num_special < min_text:
+            return (
+                f"truncate_prompt_tokens={tpt} leaves no room for text: it counts the "
+                f"{num_special} special tokens the model adds to each "
+                f"{'pair' if pair else 'prompt'}, and at least one token of "
+                f"{'each text' if pair else 'the text'} must stay, so it must be at least "
+                f"{num_special + min_text} (or -1 for max_model_len)"
+            )
+        return _Budget(total - num_special, truncate=True)
+
     def _check_len(self, num_tokens: int) -> str | None:
         if num_tokens > self.max_model_len:
             return (
@@ -107,45 +186,76 @@ class InputProcessor:
             )
         return None
 
+    def _too_long(self, what: str, num_tokens: int, num_chars_read: int, num_chars: int) -> str:
+        # Only a prefix was read: the count is a lower bound.
+        return (
+            f"{what} is longer than {self.max_model_len} tokens, the model's maximum "
+            f"(max_model_len): its first {num_chars_read:,} of {num_chars:,} characters already "
+            f"give {num_tokens} tokens; shorten it or pass truncate_prompt_tokens to truncate"
+        )
+
+    @staticmethod
+    def _too_sparse(what: str, first: FirstTokens, num_wanted: int, num_chars: int) -> str:
+        return (
+            f"{what} has {num_chars:,} characters and its first {first.num_chars_read:,} give "
+            f"only {first.num_tokens} tokens; tidepool reads at most {CHARS_PER_TOKEN} "
+            f"characters per token it needs ({num_wanted} here), so a text this sparse (long "
+            "runs of whitespace or of characters without a break) must be shortened"
+        )
+
     # ------------------------------------------------------------------ public
 
     def process(
         self, prompts: Sequence[Any], params: Sequence[PoolingParams]
     ) -> list[Request | RequestError]:
-        """One request (or error) per prompt, in order. Texts are tokenized in one batched call."""
+        """One request (or error) per prompt, in order. Texts are tokenized in batched calls."""
         results: list[Request | RequestError | None] = [None] * len(prompts)
-        texts: dict[int | None, list[int]] = {}  # truncation length → prompt indices
-        parsed: list[_Parsed | None] = [None] * len(prompts)
+        texts: list[tuple[int, str, _Budget]] = []
         for i, prompt in enumerate(prompts):
             p = self._parse(prompt)
             if isinstance(p, str):
                 results[i] = RequestError(i, p)
-                continue
-            parsed[i] = p
-            try:
-                max_len = self._truncation(params[i])
-            except ValueError as e:
-                results[i] = RequestError(i, str(e))
-                continue
-            if p.token_ids is not None:
+            elif p.token_ids is not None:
+                try:
+                    max_len = self._truncation(params[i])
+                except ValueError as e:
+                    results[i] = RequestError(i, str(e))
+                    continue
                 ids = p.token_ids if max_len is None else p.token_ids[:max_len]
                 results[i] = self._make(i, ids, None, params[i])
+            elif isinstance(budget := self._budget(params[i], pair=False), str):
+                results[i] = RequestError(i, budget)
             else:
-                texts.setdefault(max_len, []).append(i)
-        for max_len, indices in texts.items():
-            batch = [self._prepare_text(parsed[i].text) for i in indices]  # type: ignore[union-attr, arg-type]
-            enc = self._tokenize(batch, None, max_len)
-            for j, i in enumerate(indices):
-                types = enc["token_type_ids"][j] if "token_type_ids" in enc else None
-                results[i] = self._make(i, enc["input_ids"][j], types, params[i])
+                texts.append((i, p.text, budget))  # type: ignore[arg-type]
+        firsts = self._prefix_tokenizer.first_tokens(
+            [text for _, text, _ in texts], [b.num_wanted for *_, b in texts], self._prepare_text
+        )
+        for (i, text, budget), first in zip(texts, firsts, strict=True):
+            results[i] = self._finish_text(i, text, first, budget, params[i])
         return results  # type: ignore[return-value]
+
+    def _finish_text(
+        self, index: int, text: str, first: FirstTokens, budget: _Budget, params: PoolingParams
+    ) -> Request | RequestError:
+        if not first.complete:
+            if first.num_tokens < budget.num_wanted:
+                return RequestError(
+                    index, self._too_sparse("the prompt", first, budget.num_wanted, len(text))
+                )
+            if not budget.truncate:
+                num_tokens = first.num_tokens + self._num_special
+                message = self._too_long("the prompt", num_tokens, first.num_chars_read, len(text))
+                return RequestError(index, message)
+        ids = first.token_ids[: budget.num_tokens] if budget.truncate else first.token_ids
+        ids, types = self._prefix_tokenizer.with_special_tokens(ids)
+        return self._make(index, ids, types if self.keep_token_types else None, params)
 
     def process_pairs(
         self, pairs: Sequence[tuple[Any, Any]], params: Sequence[PoolingParams]
     ) -> list[Request | RequestError]:
         """Cross-encoder inputs: (query, document) text pairs, encoded together with token types."""
         results: list[Request | RequestError | None] = [None] * len(pairs)
-        groups: dict[int | None, list[int]] = {}
+        ok: list[tuple[int, _Budget]] = []
         for i, (first, second) in enumerate(pairs):
             errors = [
                 msg
@@ -154,35 +264,72 @@ class InputProcessor:
             ]
             if errors:
                 results[i] = RequestError(i, "; ".join(errors))
-                continue
-            try:
-                groups.setdefault(self._truncation(params[i]), []).append(i)
-            except ValueError as e:
-                results[i] = RequestError(i, str(e))
-        for max_len, indices in groups.items():
-            firsts = [self._prepare_text(pairs[i][0]) for i in indices]
-            seconds = [self._prepare_text(pairs[i][1]) for i in indices]
-            enc = self._tokenize(firsts, seconds, max_len)
-            for j, i in enumerate(indices):
-                types = enc["token_type_ids"][j] if "token_type_ids" in enc else None
-                results[i] = self._make(i, enc["input_ids"][j], types, params[i])
+            elif isinstance(budget := self._budget(params[i], pair=True), str):
+                results[i] = RequestError(i, budget)
+            else:
+                ok.append((i, budget))
+        # Both modes read one token more than the budget of each side: enough to know whether a
+        # side is longer than the budget, which is all that longest_first needs.
+        wanted = [budget.num_tokens + 1 for _, budget in ok]
+        sides = self._prefix_tokenizer.first_tokens(
+            [pairs[i][0] for i, _ in ok] + [pairs[i][1] for i, _ in ok],
+            wanted + wanted,
+            self._prepare_text,
+        )
+        for k, (i, budget) in enumerate(ok):
+            both = (sides[k], sides[len(ok) + k])
+            results[i] = self._finish_pair(i, pairs[i], both, budget, params[i])
         return results  # type: ignore[return-value]
+
+    def _finish_pair(
+        self,
+        index: int,
+        texts: tuple[str, str],
+        sides: tuple[FirstTokens, FirstTokens],
+        budget: _Budget,
+        params: PoolingParams,
+    ) -> Request | RequestError:
+        first, second = sides
+        wanted = budget.num_tokens + 1
+        sparse = [
+            self._too_sparse(f"the {name} text of the pair", side, wanted, len(text))
+            for name, side, text in zip(("first", "second"), sides, texts, strict=True)
+            if not side.complete and side.num_tokens < wanted
+        ]
+        if sparse:
+            return RequestError(index, "; ".join(sparse))
+        if budget.truncate:
+            keep_first, keep_second = longest_first(
+                first.num_tokens, second.num_tokens, budget.num_tokens
+            )
+            first_ids, second_ids = first.token_ids[:keep_first], second.token_ids[:keep_second]
+        elif not (first.complete and second.complete):  # a side over the budget: too long
+            return RequestError(
+                index,
+                self._too_long(
+                    "the pair",
+                    first.num_tokens + second.num_tokens + self._num_special_pair,
+                    first.num_chars_read + second.num_chars_read,
+                    len(texts[0]) + len(texts[1]),
+                ),
+            )
+        else:
+            first_ids, second_ids = first.token_ids, second.token_ids
+        ids, types = self._prefix_tokenizer.with_special_tokens(first_ids, second_ids)
+        return self._make(index, ids, types if self.keep_token_types else None, params)
+
+    @property
+    def _num_special_pair(self) -> int:
+        return self._prefix_tokenizer.num_special_tokens(pair=True)
 
     def _pair_side_error(self, side: str, value: Any) -> str | None:
         if not isinstance(value, str):
             return f"the {side} text of the pair has type {_describe(value)}; expected a string"
         if value == "":
             return f"the {side} text of the pair is an empty string"
+        if problem := unicode_problem(value):
+            return f"the {side} text of the pair {problem}"
         return None
-
-    def _tokenize(self, first: list[str], second: list[str] | None, max_len: int | None):
-        kwargs: dict[str, Any] = {"return_attention_mask": False}
-        kwargs["return_token_type_ids"] = self.keep_token_types
-        if max_len is not None:
-            kwargs.update(truncation=True, max_length=max_len)
-        if second is None:
-            return self.tokenizer(first, **kwargs)
-        return self.tokenizer(first, second, **kwargs)
 
     def _make(
         self,
@@ -212,10 +359,10 @@ class InputProcessor:
         add_special_tokens: bool = True,
     ) -> list[Request | RequestError]:
         """Generating requests, one per prompt. Texts are tokenized as-is (no sentence-transformers
-        prompt, no lower-casing), in one batched call; truncation keeps the last tokens (vLLM)."""
+        prompt, no lower-casing), in batched calls; truncation keeps the last tokens (vLLM)."""
         results: list[Request | RequestError | None] = [None] * len(prompts)
         token_ids: list[list[int] | None] = [None] * len(prompts)
-        texts: list[int] = []
+        texts: list[tuple[int, str]] = []
         for i, prompt in enumerate(prompts):
             p = self._parse(prompt)
             if isinstance(p, str):
@@ -223,19 +370,14 @@ class InputProcessor:
             elif p.token_ids is not None:
                 token_ids[i] = p.token_ids
             else:
-                texts.append(i)
-        if texts:
-            enc = self.tokenizer(
-                [
-                    prompts[i] if isinstance(prompts[i], str) else prompts[i]["prompt"]
-                    for i in texts
-                ],
-                add_special_tokens=add_special_tokens,
-                return_attention_mask=False,
-                return_token_type_ids=False,
-            )
-            for j, i in enumerate(texts):
-                token_ids[i] = list(enc["input_ids"][j])
+                texts.append((i, p.text))  # type: ignore[arg-type]
+        keeps_last = [params[i].truncate_prompt_tokens is not None for i, _ in texts]
+        encoded = self._tokenize_generate([t for _, t in texts], keeps_last, add_special_tokens)
+        for (i, _), ids_or_error in zip(texts, encoded, strict=True):
+            if isinstance(ids_or_error, str):
+                results[i] = RequestError(i, ids_or_error)
+            else:
+                token_ids[i] = ids_or_error
         for i, ids in enumerate(token_ids):
             if ids is None:
                 continue
@@ -254,6 +396,49 @@ class InputProcessor:
                     eos_token_ids=eos_token_ids,
                 )
         return results  # type: ignore[return-value]
+
+    def _tokenize_generate(
+        self, texts: list[str], keeps_last: list[bool], add_special_tokens: bool
+    ) -> list[list[int] | str]:
+        """Token ids (special tokens included) of each text, or why it is refused. Without
+        truncation, a prefix one token over the limit refuses a text; keeping the last tokens
+        needs the whole text, so its length is capped by the read limit instead."""
+        num_special = self._prefix_tokenizer.num_special_tokens(False, add_special_tokens)
+        num_wanted = max(self.max_model_len - num_special, 0) + 1
+        limit = read_limit(self.max_model_len)
+        out: list[list[int] | str] = []
+        readable = [k for k, text in enumerate(texts) if not (keeps_last[k] and len(text) > limit)]
+        firsts = self._prefix_tokenizer.first_tokens(
+            [texts[k] for k in readable],
+            # Wanting as many tokens as characters makes the read limit cover the whole text.
+            [len(texts[k]) if keeps_last[k] else num_wanted for k in readable],
+        )
+        by_index = dict(zip(readable, firsts, strict=True))
+        for k, text in enumerate(texts):
+            first = by_index.get(k)
+            if first is None:
+                out.append(
+                    f"the prompt has {len(text):,} characters; truncate_prompt_tokens keeps the "
+                    "last tokens, which needs the whole text read, and tidepool reads at most "
+                    f"{limit:,} ({CHARS_PER_TOKEN} per token of max_model_len): shorten it"
+                )
+            elif not first.complete:
+                out.append(
+                    self._too_sparse("the prompt", first, num_wanted, len(text))
+                    if first.num_tokens < num_wanted
+                    else self._too_long(
+                        "the prompt",
+                        first.num_tokens + num_special,
+                        first.num_chars_read,
+                        len(text),
+                    )
+                )
+            else:
+                ids, _ = self._prefix_tokenizer.with_special_tokens(
+                    first.token_ids, None, add_special_tokens
+                )
+                out.append(ids)
+        return out
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:

@@ -1,0 +1,43 @@
+"""Which calls a model can serve, checked up front (before any prompt is tokenized).
+
+One rule for the offline `LLM`: a call the model cannot serve at all (`.embed` on a cross-encoder,
+`.classify` on an embedder) raises ValueError before any work, naming the model and what it is
+for. The rule mirrors `Pooler.supported_tasks` (worker/pooler.py), which checks each request.
+"""
+
+from __future__ import annotations
+
+from tidepool.config import ModelConfig
+
+
+def supported_tasks(model_config: ModelConfig) -> tuple[str, ...]:
+    """The pooling tasks of a model: a classifier classifies (a one-label one also scores), an
+    embedder embeds; a generating model has none."""
+    if model_config.task == "generate":
+        return ()
+    if model_config.task == "classify":
+        return ("classify", "score") if model_config.num_labels == 1 else ("classify",)
+    return ("embed", "token_embed")
+
+
+_NEEDS = {
+    "embed": "an embedding model",
+    "token_embed": "an embedding model",
+    "classify": "a model with a classification head",
+    "score": "a cross-encoder (a classification head with one label) or an embedding model",
+}
+_KIND = {"embed": "an embedding model", "classify": "a classification model", "generate": "a "
+         "generating model"}  # fmt: skip
+
+
+def check_task_supported(model_config: ModelConfig, task: str) -> None:
+    """Raise ValueError, before any work, if the model cannot serve `task` ("embed", "classify",
+    "score", "token_embed", "token_classify"). "score" also works on embedding models (the
+    cosine of two embeddings)."""
+    tasks = supported_tasks(model_config)
+    if task in tasks or (task == "score" and "embed" in tasks):
+        return
+    needs = _NEEDS.get(task, f"a model that supports {task!r}")
+    kind = _KIND.get(model_config.task, f"a {model_config.task} model")
+    offers = f"it supports {', '.join(tasks)}" if tasks else "it serves no pooling task"
+    raise ValueError(f"{task}() needs {needs} ({model_config.architecture} is {kind}; {offers})")
