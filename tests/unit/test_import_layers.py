@@ -179,10 +179,6 @@ def test_the_walker_sees_lazy_and_relative_imports() -> None:
     assert _cycles({"a": [Import("b", 1, False)], "b": [Import("a", 1, False)]}) == [["a", "b"]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fixed by issue 13 part 5 (openai/server <-> serving_generate over ERROR_TYPES)",
-)
 def test_no_import_cycles() -> None:
     assert _cycles(GRAPH) == []
 

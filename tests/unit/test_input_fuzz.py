@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_prefix_tokenizer import PIECES
 
-from tidepool.config import build_model_config
 from tidepool.engine.input_processor import InputProcessor
+from tidepool.models.resolve import build_model_config
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request

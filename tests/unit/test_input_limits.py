@@ -18,9 +18,9 @@ from unittest import mock
 import pytest
 from test_prefix_tokenizer import PIECES
 
-from tidepool.config import build_model_config
 from tidepool.engine import prefix_tokenizer
 from tidepool.engine.input_processor import InputProcessor, longest_first
+from tidepool.models.resolve import build_model_config
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
