@@ -17,7 +17,8 @@ from dataclasses import replace
 import torch
 
 from tidepool.attention.metadata import build_encoder_metadata
-from tidepool.attention.paged import AttentionView, allocate_kv_caches
+from tidepool.attention.paged import allocate_kv_caches
+from tidepool.attention.paged_metadata import AttentionView
 from tidepool.config import EngineConfig
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.kv_cache.spec import KVCacheConfig, group_layers, plan_kv_cache
