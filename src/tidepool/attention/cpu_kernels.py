@@ -34,6 +34,7 @@ _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_encoder_attenti
 HEAD_DIMS = (32, 64, 128)
 # Each thread keeps one sequence's [L, L] float32 scores (L2-sized for encoder lengths: 1 MiB at
 # 512 tokens, 16 MiB at this limit); longer models keep PyTorch's SDPA, which tiles its scores.
+# The op's own check is built from this constant (-DTIDEPOOL_MAX_SEQ_LEN).
 MAX_SEQ_LEN = 2048
 _DTYPES = (torch.float32, torch.bfloat16)
 # The source is compiled for AVX-512 (F/BW/DQ/VL); load() runs it only where the CPU has them.
@@ -46,6 +47,7 @@ _CFLAGS = [
     "-mfma",
     "-std=c++17",
     "-fopenmp",
+    f"-DTIDEPOOL_MAX_SEQ_LEN={MAX_SEQ_LEN}",
 ]
 
 _lock = threading.Lock()

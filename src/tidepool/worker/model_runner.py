@@ -13,15 +13,17 @@ import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from tidepool.attention.metadata import build_encoder_metadata
 from tidepool.attention.paged import allocate_kv_caches
 from tidepool.attention.paged_metadata import AttentionView
-from tidepool.config import EngineConfig
+from tidepool.config import EngineConfig, ModelConfig
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.kv_cache.spec import KVCacheConfig, group_layers, plan_kv_cache
+from tidepool.models.interfaces import DecoderModel, EncoderModel, LanguageModelHead
 from tidepool.models.registry import build_model
 from tidepool.params import PoolingParams
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
@@ -60,7 +62,7 @@ class ModelRunner:
         self.config = config
         self.device = config.model.device
         torch.manual_seed(config.model.seed)
-        self.model = build_model(config.model)
+        self.model = _check_contract(build_model(config.model), config.model)
         self.pooler = Pooler(config.model, self.model)
         self.num_heads = int(config.model.hf_config.num_attention_heads)
         # positions are 0..len-1 per sequence: slices of one arange, made once.
@@ -194,7 +196,7 @@ class ModelRunner:
         """True when the step's outputs read only each sequence's first token (CLS pooling, no
         token task) and the model can compute only those rows in its last layer."""
         return (
-            getattr(self.model, "supports_first_token_only", False)
+            self.model.supports_first_token_only  # type: ignore[union-attr]  # encoder step
             and self.pooler.pooling_type == "CLS"
             and not any(p.task.startswith("token_") for p in params)
         )
@@ -229,7 +231,9 @@ class ModelRunner:
             return {}
         requests = [batch.requests[i] for i in rows]
         last_token = batch.cu_query_lens[1:][rows] - 1
-        logits = self.model.compute_logits(hidden.index_select(0, last_token))
+        logits = self.model.compute_logits(  # type: ignore[union-attr]  # _check_contract
+            hidden.index_select(0, last_token)
+        )
         generators = {}
         for row, request in enumerate(requests):
             generator = self.states[request.request_id].generator
@@ -249,6 +253,22 @@ class ModelRunner:
             r.request_id: SampledToken(token, logprobs)
             for r, token, logprobs in zip(requests, out.token_ids, out.logprobs, strict=True)
         }
+
+
+_CONTRACTS: dict[bool, type] = {False: EncoderModel, True: DecoderModel}
+"""is_causal → the Protocol (models/interfaces.py) the runner holds the model to."""
+
+
+def _check_contract(model: Any, config: ModelConfig) -> EncoderModel | DecoderModel:
+    """The model declares what this runner will call (checked once, at load)."""
+    contract = _CONTRACTS[config.is_causal]
+    if model.is_causal != config.is_causal or not isinstance(model, contract):
+        raise TypeError(
+            f"{type(model).__name__} does not implement the {contract.__name__} contract"
+        )
+    if config.runner_type == "generate" and not isinstance(model, LanguageModelHead):
+        raise TypeError(f"{type(model).__name__} has no LM head (compute_logits) to generate with")
+    return model
 
 
 def _stop_token_ids(request) -> list[int]:
