@@ -79,6 +79,24 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _compile() -> object:
+    """Build (or load the cached build of) the extension; raises where it cannot."""
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    load(
+        name="tidepool_cpu_ops",
+        sources=[str(_SOURCE)],
+        extra_cflags=_CFLAGS,
+        # OpenMP: ATen's parallel_for is a header template, compiled into the kernel; without
+        # it the kernel runs on one thread. libgomp.so.1 resolves to the one torch loaded.
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.tidepool_cpu.encoder_attention
+
+
 def _build() -> object | None:
     mode = envs.cpu_attention()
     if mode == "sdpa":
@@ -86,21 +104,7 @@ def _build() -> object | None:
     ok, why = _cpu_has_avx512()
     if ok:
         try:
-            from torch.utils.cpp_extension import load
-
-            _put_ninja_on_path()
-
-            load(
-                name="tidepool_cpu_ops",
-                sources=[str(_SOURCE)],
-                extra_cflags=_CFLAGS,
-                # OpenMP: ATen's parallel_for is a header template, compiled into the kernel; without
-                # it the kernel runs on one thread. libgomp.so.1 resolves to the one torch loaded.
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
-            return torch.ops.tidepool_cpu.encoder_attention
+            return _compile()
         except Exception as e:  # a missing compiler / ninja, a failed build
             why = f"building {_SOURCE.name} failed: {type(e).__name__}: {e}"
     if mode == "native":
