@@ -59,7 +59,9 @@ def _paged_outputs(spec, device: torch.device) -> torch.Tensor:
         values = torch.randn(context_len, kv_heads, head_size, generator=g)
         write_kv(kv_cache, keys.to(device), values.to(device), slots.to(device))
     token_request = torch.repeat_interleave(torch.arange(3), torch.tensor(query_lens))
-    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])
+    positions = torch.cat(
+        [torch.arange(c, c + q) for c, q in zip(context_lens, query_lens, strict=True)]
+    )
     rows = split_rows(context_lens, query_lens)
     spans = plan_buckets(rows, block_size, kv_heads, 0.25)
     meta = build_group_metadata(
