@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from corpus import make_corpus  # noqa: E402
 
 from tidepool.attention import cpu_kernels, torch_backend  # noqa: E402
+from tidepool.attention.backend import CPU_KERNEL  # noqa: E402
 from tidepool.attention.metadata import build_encoder_metadata, pad_buckets  # noqa: E402
 
 
@@ -70,10 +71,9 @@ def main() -> None:
     meta = build_encoder_metadata(lens, torch.device("cpu"), num_heads=args.heads, dtype=dtype)
     layout = pad_buckets(meta)
     qkv_slots = qkv.index_select(0, layout.token_index)
-    varlen = meta.as_varlen()
 
     def kernel() -> torch.Tensor:
-        return torch_backend.encoder_attention(qkv, varlen, scale)
+        return CPU_KERNEL.attend(qkv, meta, scale)
 
     def sdpa() -> torch.Tensor:
         return torch_backend.encoder_attention(qkv_slots, layout.metadata, scale)

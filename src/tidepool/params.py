@@ -7,6 +7,8 @@ from typing import Literal
 
 PoolingTask = Literal["embed", "classify", "score", "token_embed", "token_classify"]
 POOLING_TASKS: tuple[str, ...] = ("embed", "classify", "score", "token_embed", "token_classify")
+"""Task names a request may carry (vLLM's). No pooler serves token_classify yet: the model's
+Pooler.check_params refuses it, naming the tasks the model serves."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ from tiny_decoders import SIZES, save_tokenizer
 
 from tidepool import LLM, PoolingParams, SamplingParams
 from tidepool.attention import cpu_kernels
+from tidepool.attention.backend import CPU_KERNEL
 from tidepool.models.transformers_attention import UnsupportedAttentionError
 
 ATOL = 1e-5
@@ -259,7 +260,8 @@ def test_backend_encoder_matches_transformers(kind, hf_tiny, tiny_texts, report_
     if kind in WIDE_HEAD_ENCODERS:
         model = llm.engine.model_runner.model
         llm.embed(tiny_texts[:1], use_tqdm=False)
-        assert model._cpu_kernel == cpu_kernels.supports(torch.device("cpu"), torch.float32, 32)
+        uses_kernel = model.attention_backend is CPU_KERNEL
+        assert uses_kernel == cpu_kernels.supports(torch.device("cpu"), torch.float32, 32)
     outs = llm.encode(tiny_texts, RAW, pooling_task="token_embed", use_tqdm=False)
     for out in outs:
         expected = _hf_states(hf, out.prompt_token_ids)

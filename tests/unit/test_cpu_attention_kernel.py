@@ -137,6 +137,7 @@ def test_encoder_on_the_kernel_matches_the_sdpa_path(dtype, atol, tmp_path):
     differences of a few bf16 ulps at |x| ~ 4 are expected)."""
     from transformers import BertConfig
 
+    from tidepool.attention.backend import BUCKETED_SDPA, CPU_KERNEL, select_encoder_backend
     from tidepool.attention.metadata import build_encoder_metadata
     from tidepool.models.bert import BertModel
 
@@ -154,15 +155,18 @@ def test_encoder_on_the_kernel_matches_the_sdpa_path(dtype, atol, tmp_path):
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if "LayerNorm.weight" in name else torch.randn_like(p) * 0.1)
     model = model.to(dtype)
+    model.set_attention_backend(
+        select_encoder_backend(model.attention_spec(torch.device("cpu"), dtype))
+    )
     lens = [70, 66, 40, 9, 3, 1]
     ids = torch.randint(0, 120, (sum(lens),))
     pos = torch.cat([torch.arange(n) for n in lens])
     meta = build_encoder_metadata(lens, torch.device("cpu"), num_heads=2, dtype=dtype)
     with torch.inference_mode():
         fast = model(ids, pos, meta)
-        assert model._cpu_kernel is True
+        assert model.attention_backend is CPU_KERNEL
         fast_cls = model(ids, pos, meta, first_token_only=True)
-        model._cpu_kernel = False
+        model.set_attention_backend(BUCKETED_SDPA)
         slow = model(ids, pos, meta)
         slow_cls = model(ids, pos, meta, first_token_only=True)
     assert (fast.float() - slow.float()).abs().max().item() <= atol
@@ -201,6 +205,18 @@ def test_rows_outside_qkv_are_refused():
     assert not cpu_kernels.supports(
         torch.device("cpu"), torch.float32, 32, cpu_kernels.MAX_SEQ_LEN + 1
     )
+
+
+@requires_kernel
+def test_the_op_and_python_agree_on_the_longest_sequence():
+    """The C++ check is built from cpu_kernels.MAX_SEQ_LEN: a sequence of that length runs, one
+    token more is refused by the op itself (not only by supports())."""
+    limit = cpu_kernels.MAX_SEQ_LEN
+    qkv, _ = _packed([limit + 1], 1, 32, torch.float32)
+    out = _run(qkv[:limit], [0], [limit], 0.2, first=True)
+    assert out.shape == (1, 32) and torch.isfinite(out).all()
+    with pytest.raises(RuntimeError, match=f"length outside 1..{limit}"):
+        _run(qkv, [0], [limit + 1], 0.2, first=True)
 
 
 @requires_kernel

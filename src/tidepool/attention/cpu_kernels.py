@@ -34,6 +34,7 @@ _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_encoder_attenti
 HEAD_DIMS = (32, 64, 128)
 # Each thread keeps one sequence's [L, L] float32 scores (L2-sized for encoder lengths: 1 MiB at
 # 512 tokens, 16 MiB at this limit); longer models keep PyTorch's SDPA, which tiles its scores.
+# The op's own check is built from this constant (-DTIDEPOOL_MAX_SEQ_LEN).
 MAX_SEQ_LEN = 2048
 _DTYPES = (torch.float32, torch.bfloat16)
 # The source is compiled for AVX-512 (F/BW/DQ/VL); load() runs it only where the CPU has them.
@@ -46,6 +47,7 @@ _CFLAGS = [
     "-mfma",
     "-std=c++17",
     "-fopenmp",
+    f"-DTIDEPOOL_MAX_SEQ_LEN={MAX_SEQ_LEN}",
 ]
 
 _lock = threading.Lock()
@@ -77,6 +79,24 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _compile() -> object:
+    """Build (or load the cached build of) the extension; raises where it cannot."""
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    load(
+        name="tidepool_cpu_ops",
+        sources=[str(_SOURCE)],
+        extra_cflags=_CFLAGS,
+        # OpenMP: ATen's parallel_for is a header template, compiled into the kernel; without
+        # it the kernel runs on one thread. libgomp.so.1 resolves to the one torch loaded.
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.tidepool_cpu.encoder_attention
+
+
 def _build() -> object | None:
     mode = envs.cpu_attention()
     if mode == "sdpa":
@@ -84,21 +104,7 @@ def _build() -> object | None:
     ok, why = _cpu_has_avx512()
     if ok:
         try:
-            from torch.utils.cpp_extension import load
-
-            _put_ninja_on_path()
-
-            load(
-                name="tidepool_cpu_ops",
-                sources=[str(_SOURCE)],
-                extra_cflags=_CFLAGS,
-                # OpenMP: ATen's parallel_for is a header template, compiled into the kernel; without
-                # it the kernel runs on one thread. libgomp.so.1 resolves to the one torch loaded.
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
-            return torch.ops.tidepool_cpu.encoder_attention
+            return _compile()
         except Exception as e:  # a missing compiler / ninja, a failed build
             why = f"building {_SOURCE.name} failed: {type(e).__name__}: {e}"
     if mode == "native":

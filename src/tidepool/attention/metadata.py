@@ -20,7 +20,7 @@ packed order once. Worked example above: 21 + 3 = 24 slots for 23 tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -55,12 +55,6 @@ class EncoderAttentionMetadata:
     buckets: list[AttentionBucket]
     seq_lens_tensor: torch.Tensor | None = None
     """[num_seqs] int64 seq_lens (on the device), for kernels that take the lengths."""
-    varlen: bool = False
-    """The layers run on the packed tokens with a variable-length attention kernel
-    (cpu_kernels.encoder_attention) instead of the padded layout and the buckets."""
-
-    def as_varlen(self) -> EncoderAttentionMetadata:
-        return replace(self, varlen=True)
 
 
 def build_encoder_metadata(

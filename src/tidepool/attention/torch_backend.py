@@ -7,8 +7,8 @@ softmax, PV) by 1.1x-1.2x in float32 and 1.3x-1.5x in bfloat16 for long buckets 
 softmax stays in cache where [len, len] score matrices do not), and tied on short ones; a
 per-sequence SDPA loop costs ~0.2 ms of framework overhead per call.
 
-Metadata marked `varlen` (the model chose tidepool's CPU kernel, attention/cpu_kernels.py) goes to
-that kernel instead: packed tokens, no buckets, no mask.
+These functions are the `bucketed_sdpa` backend (backend.py); `encoder_attention_heads` also runs
+the sliding-window layers of the transformers backend's encoders under any backend.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tidepool.attention import cpu_kernels
 from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata
 
 
@@ -29,11 +28,6 @@ def encoder_attention(
     (metadata.pad_buckets) every bucket is a plain slice and padding slots' outputs are garbage
     that nobody reads.
     """
-    if meta.varlen:
-        q, k, v = qkv.unbind(1)
-        return cpu_kernels.encoder_attention(
-            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale
-        )
     num_tokens, _, num_heads, head_dim = qkv.shape
     if len(meta.buckets) == 1 and meta.buckets[0].valid_slots is None:
         o = _attend_bucket(qkv, meta.buckets[0], scale)
@@ -62,11 +56,6 @@ def encoder_attention_first_tokens(
     one SDPA call with q_len 1 and the same key mask as `encoder_attention`, so a sequence's first
     row is the one `encoder_attention` gives it.
     """
-    if meta.varlen:
-        q, k, v = qkv.unbind(1)
-        return cpu_kernels.encoder_attention(
-            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale, first_token_only=True
-        )
     _, _, num_heads, head_dim = qkv.shape
     outs: list[torch.Tensor] = []
     for bucket in meta.buckets:
@@ -76,6 +65,85 @@ def encoder_attention_first_tokens(
         o = F.scaled_dot_product_attention(q[:, :, :1], k, v, attn_mask=mask, scale=scale)
         outs.append(o.reshape(bucket.num_seqs, num_heads * head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def encoder_attention_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: EncoderAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    band_masks: dict[tuple[int, int], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """q: [num_rows, heads, D], k / v: [num_rows, kv_heads, D] (strided views; kv_heads dividing
+    heads, broadcast by SDPA) → [num_rows, heads * D], on the padded layout or on packed rows
+    (buckets gathered). With `sliding_window` key k is visible to query q when |q - k| <
+    sliding_window (ModernBERT's local layers); `band_masks` caches those masks for the step."""
+    num_tokens, num_heads, head_dim = q.shape
+    buckets = meta.buckets
+    if len(buckets) == 1:
+        return _attend_bucket_heads(q, k, v, buckets[0], scale, sliding_window, band_masks)
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    for bucket in buckets:
+        out[bucket.start : bucket.end] = _attend_bucket_heads(
+            q, k, v, bucket, scale, sliding_window, band_masks
+        )
+    return out
+
+
+def _attend_bucket_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bucket: AttentionBucket,
+    scale: float,
+    sliding_window: int | None,
+    band_masks: dict[tuple[int, int], torch.Tensor] | None,
+) -> torch.Tensor:
+    num_seqs, max_len = bucket.num_seqs, bucket.max_len
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        # [tokens, H, D] → [num_seqs, H, max_len, D]
+        if bucket.gather_index is None:
+            rows = t[bucket.start : bucket.end]
+        else:
+            rows = t.index_select(0, bucket.gather_index)
+        return rows.view(num_seqs, max_len, t.shape[1], t.shape[2]).transpose(1, 2)
+
+    mask = bucket.key_mask  # [num_seqs, 1, 1, max_len] or None
+    if sliding_window is not None and sliding_window < max_len:
+        band = _band_mask(max_len, sliding_window, q.device, band_masks)
+        mask = band if mask is None else mask & band
+    o = F.scaled_dot_product_attention(
+        padded(q),
+        padded(k),
+        padded(v),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    # [num_seqs, H, max_len, D] → [num_seqs * max_len, H * D]
+    o = o.transpose(1, 2).reshape(num_seqs * max_len, -1)
+    if bucket.valid_slots is not None:
+        o = o.index_select(0, bucket.valid_slots)
+    return o
+
+
+def _band_mask(
+    length: int,
+    window: int,
+    device: torch.device,
+    cache: dict[tuple[int, int], torch.Tensor] | None,
+) -> torch.Tensor:
+    """[length, length] bool, True where |q - k| < window; made once per step and shape."""
+    band = None if cache is None else cache.get((length, window))
+    if band is None:
+        idx = torch.arange(length, device=device)
+        band = (idx[:, None] - idx[None, :]).abs() < window
+        if cache is not None:
+            cache[(length, window)] = band
+    return band
 
 
 def _attend_bucket(qkv: torch.Tensor, bucket: AttentionBucket, scale: float) -> torch.Tensor:

@@ -28,6 +28,13 @@ namespace {
 
 constexpr int64_t kRows = 8;  // query rows per tile
 
+// The longest sequence the op accepts: one constant, attention/cpu_kernels.py's MAX_SEQ_LEN,
+// passed by its build (-DTIDEPOOL_MAX_SEQ_LEN), so Python and C++ cannot disagree.
+#ifndef TIDEPOOL_MAX_SEQ_LEN
+#error "build through tidepool.attention.cpu_kernels, which defines TIDEPOOL_MAX_SEQ_LEN"
+#endif
+constexpr int64_t kMaxSeqLen = TIDEPOOL_MAX_SEQ_LEN;
+
 #define TP_INLINE inline __attribute__((always_inline))
 
 // exp(x) for x <= 0 (scores minus the row's maximum): 2^n * p(r), r = x - n ln2, |r| <= ln2/2,
@@ -302,9 +309,9 @@ void encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t* st = starts.data_ptr<int64_t>();
   const int64_t* os = out_starts.data_ptr<int64_t>();
   for (int64_t i = 0; i < num_seqs; ++i) {
-    TORCH_CHECK(ln[i] >= 1 && ln[i] <= 8192 && st[i] >= 0 && st[i] + ln[i] <= q.size(0),
+    TORCH_CHECK(ln[i] >= 1 && ln[i] <= kMaxSeqLen && st[i] >= 0 && st[i] + ln[i] <= q.size(0),
                 "sequence ", i, ": rows ", st[i], " + ", ln[i], " outside q's ", q.size(0),
-                " rows, or a length outside 1..8192");
+                " rows, or a length outside 1..", kMaxSeqLen);
     TORCH_CHECK(os[i] >= 0 && os[i] + (first_only ? 1 : ln[i]) <= out.size(0), "sequence ", i,
                 ": output rows outside out's ", out.size(0));
   }

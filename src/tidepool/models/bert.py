@@ -9,13 +9,13 @@ instead of three).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from tidepool.attention import cpu_kernels
+from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
 from tidepool.attention.metadata import EncoderAttentionMetadata, first_token_slots, pad_buckets
-from tidepool.attention.torch_backend import encoder_attention, encoder_attention_first_tokens
 from tidepool.models.layers.linear import Linear
 from tidepool.models.weights import load_fused_weights
 
@@ -64,15 +64,17 @@ class BertSelfAttention(nn.Module):
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scale = self.head_dim**-0.5
         self.qkv = Linear(config.hidden_size, 3 * config.hidden_size)
+        self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
+        """Set by BertModel.set_attention_backend (the loader's choice)."""
 
     def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
-        return encoder_attention(qkv, meta, self.scale)
+        return self.attention_backend.attend(qkv, meta, self.scale)
 
     def forward_first_tokens(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
         """x: [num_slots, hidden] → [num_seqs, hidden]: queries at each sequence's first slot."""
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
-        return encoder_attention_first_tokens(qkv, meta, self.scale)
+        return self.attention_backend.attend_first_tokens(qkv, meta, self.scale)
 
 
 class BertDenseLayerNorm(nn.Module):
@@ -158,13 +160,16 @@ class BertEncoder(nn.Module):
 
 
 class BertModel(nn.Module):
-    """The encoder body: packed token ids → hidden states [num_tokens, hidden]."""
+    """The encoder body: packed token ids → hidden states [num_tokens, hidden] (an EncoderModel,
+    models/interfaces.py)."""
 
+    is_causal: ClassVar[bool] = False
+    default_pooling_type = "CLS"
+    supports_first_token_only = True
+    """forward(..., first_token_only=True) returns each sequence's first row only (CLS pooling)."""
     # Prefixes a checkpoint may put before the body's weight names.
     body_prefixes: tuple[str, ...] = ("bert.", "model.")
     position_offset_from_padding = False
-    supports_first_token_only = True
-    """forward(..., first_token_only=True) returns each sequence's first row only (CLS pooling)."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -174,7 +179,17 @@ class BertModel(nn.Module):
             offset = roberta_position_offset(config)
         self.embeddings = BertEmbeddings(config, position_offset=offset)
         self.encoder = BertEncoder(config)
-        self._cpu_kernel: bool | None = None
+        self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
+        """Chosen by the loader (attention/backend.py); bucketed SDPA when built by hand."""
+
+    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        return AttentionSpec(device, dtype, head_dim, self.config.max_position_embeddings)
+
+    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
+        self.attention_backend = backend
+        for layer in self.encoder.layer:
+            layer.attention.self.attention_backend = backend
 
     def forward(
         self,
@@ -187,13 +202,12 @@ class BertModel(nn.Module):
         """→ [num_tokens, hidden] in packed order; with `first_token_only`, [num_seqs, hidden]:
         each sequence's first token (what CLS pooling reads), the last layer computing only those
         rows (~1/num_layers of the FLOPs saved)."""
-        if self._uses_cpu_kernel():
-            # Packed tokens, each sequence attended to by the variable-length kernel.
-            meta = attn_metadata.as_varlen()
+        if self.attention_backend.packed_layout:
+            # Packed tokens, each sequence attended to by a variable-length kernel.
             x = self.embeddings(input_ids, positions, token_type_ids)
             if first_token_only:
-                return self.encoder(x, meta, meta.cu_seqlens[:-1])
-            return self.encoder(x, meta)
+                return self.encoder(x, attn_metadata, attn_metadata.cu_seqlens[:-1])
+            return self.encoder(x, attn_metadata)
         # Else the layers run on the padded layout (attention/metadata.py): ids in, hidden
         # states out.
         layout = pad_buckets(attn_metadata)
@@ -209,24 +223,6 @@ class BertModel(nn.Module):
             return self.encoder(x, layout.metadata, first_token_slots(layout.metadata))
         x = self.encoder(x, layout.metadata)
         return x if layout.is_packed else x.index_select(0, layout.slot_of_token)
-
-    def process_weights_after_loading(self) -> None:
-        """Decide the attention path now (device and dtype are final), so that a machine's first
-        run builds the CPU kernel while the model loads, not inside its first request."""
-        self._cpu_kernel = None
-        self._uses_cpu_kernel()
-
-    def _uses_cpu_kernel(self) -> bool:
-        """tidepool's variable-length CPU attention kernel, where it runs (cpu_kernels.supports:
-        CPU, float32 / bfloat16, head_dim 32/64/128, positions up to 2,048, AVX-512); decided
-        once, after loading (or on the first forward of a model built by hand)."""
-        if self._cpu_kernel is None:
-            weight = self.embeddings.word_embeddings.weight
-            head_dim = self.config.hidden_size // self.config.num_attention_heads
-            self._cpu_kernel = cpu_kernels.supports(
-                weight.device, weight.dtype, head_dim, self.config.max_position_embeddings
-            )
-        return self._cpu_kernel
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → our parameter name; None = not ours (skipped)."""
@@ -252,9 +248,11 @@ class XLMRobertaModel(RobertaModel):
 
 
 class BertForSequenceClassification(nn.Module):
-    """A BERT cross-encoder: CLS → pooler dense + tanh → classifier."""
+    """A BERT cross-encoder: CLS → pooler dense + tanh → classifier (an EncoderModel and a
+    ClassifierHead, models/interfaces.py)."""
 
     body_cls = BertModel
+    is_causal: ClassVar[bool] = False
     default_pooling_type = "CLS"
     supports_first_token_only = True
 
@@ -265,8 +263,23 @@ class BertForSequenceClassification(nn.Module):
         self.pooler_dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
+    @property
+    def attention_backend(self) -> EncoderAttentionBackend:
+        return self.body.attention_backend
+
+    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        return self.body.attention_spec(device, dtype)
+
+    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
+        self.body.set_attention_backend(backend)
+
     def forward(
-        self, input_ids, positions, attn_metadata, token_type_ids=None, first_token_only=False
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: EncoderAttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,
+        first_token_only: bool = False,
     ) -> torch.Tensor:
         return self.body(input_ids, positions, attn_metadata, token_type_ids, first_token_only)
 

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tidepool.attention.paged import PagedAttentionMetadata
+from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.models.layers.linear import Linear
 from tidepool.models.layers.rmsnorm import RMSNorm
 from tidepool.models.layers.rotary import RotaryEmbedding

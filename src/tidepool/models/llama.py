@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tidepool.attention.paged import PagedAttentionMetadata, paged_attention
+from tidepool.attention.backend import PAGED_SDPA, AttentionSpec, DecoderAttentionBackend
+from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from tidepool.models.layers.linear import Linear
 from tidepool.models.layers.rmsnorm import RMSNorm
@@ -61,6 +62,8 @@ class DecoderAttention(nn.Module):
         # Attention-logit soft-capping (Gemma 2): scores → softcap * tanh(scores / softcap).
         self.softcap: float | None = None
         self.sliding_window = _layer_window(config, layer_index)
+        self.attention_backend: DecoderAttentionBackend = PAGED_SDPA
+        """Set by LlamaModel.set_attention_backend (the loader's choice)."""
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = attention_bias if self.qkv_bias is None else False
@@ -113,7 +116,9 @@ class DecoderAttention(nn.Module):
             )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         meta = attn_metadata.for_layer(self.layer_index)
-        return paged_attention(q, k, v, kv_cache, meta, self.scale, self.softcap)
+        return self.attention_backend.paged_attention(
+            q, k, v, kv_cache, meta, self.scale, self.softcap
+        )
 
 
 class Qwen2Attention(DecoderAttention):
@@ -169,7 +174,8 @@ _STACKED = {
 
 
 class LlamaModel(nn.Module):
-    """The decoder body: packed token ids → final-norm hidden states [num_tokens, hidden]."""
+    """The decoder body: packed token ids → final-norm hidden states [num_tokens, hidden] (a
+    DecoderModel, models/interfaces.py)."""
 
     is_causal: ClassVar[bool] = True
     default_pooling_type: ClassVar[str] = "LAST"
@@ -187,6 +193,17 @@ class LlamaModel(nn.Module):
         )
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(_head_size(config), config)
+        self.attention_backend: DecoderAttentionBackend = PAGED_SDPA
+        """Chosen by the loader (attention/backend.py); paged SDPA when built by hand."""
+
+    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        max_positions = int(getattr(self.config, "max_position_embeddings", 0) or 0)
+        return AttentionSpec(device, dtype, _head_size(self.config), max_positions)
+
+    def set_attention_backend(self, backend: DecoderAttentionBackend) -> None:
+        self.attention_backend = backend
+        for layer in self.layers:
+            layer.self_attn.attention_backend = backend
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
         """Layer name → what it stores per block (in layer order: index i = self.layers[i])."""
@@ -220,7 +237,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The body plus the language-model head (tied to the embeddings when the config says so)."""
+    """The body plus the language-model head (tied to the embeddings when the config says so):
+    a DecoderModel and a LanguageModelHead (models/interfaces.py)."""
 
     is_causal: ClassVar[bool] = True
     default_pooling_type: ClassVar[str] = "LAST"
@@ -238,10 +256,26 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def attention_backend(self) -> DecoderAttentionBackend:
+        return self.model.attention_backend
+
+    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        return self.model.attention_spec(device, dtype)
+
+    def set_attention_backend(self, backend: DecoderAttentionBackend) -> None:
+        self.model.set_attention_backend(backend)
+
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
         return self.model.kv_cache_specs(block_size, dtype)
 
-    def forward(self, input_ids, positions, attn_metadata, kv_caches) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: PagedAttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

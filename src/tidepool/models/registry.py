@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tidepool.config import ModelConfig
+from tidepool.models.interfaces import attach_attention_backend
 from tidepool.models.loader import iter_weights
 
 # architecture → (module under tidepool.models, class name)
@@ -97,4 +98,6 @@ def build_model(config: ModelConfig) -> nn.Module:
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    # Once device and dtype are final: a machine's first run builds the CPU kernel now.
+    attach_attention_backend(model, config.device, config.dtype)
     return model

@@ -11,10 +11,11 @@ which sequence, and where the KV cache is, comes from a step object that the bac
 model call's keyword arguments (`tidepool_step=...`); transformers 5 hands every keyword argument
 of the model's forward down to its attention functions. No global state is read:
 
-    EncoderStep   bucketed bidirectional attention over cu_seqlens (attention/metadata.py), with a
-                  bidirectional sliding window where the layer asks for one (ModernBERT's local
-                  layers: key k is visible to query q when |q - k| < sliding_window)
-    DecoderStep   causal attention over the paged KV cache (attention/paged.py): this step's K/V are
+    EncoderStep   bidirectional attention over cu_seqlens on the model's attention backend
+                  (attention/backend.py); a layer that asks for a sliding window (ModernBERT's
+                  local layers: key k is visible to query q when |q - k| < sliding_window) runs
+                  bucketed SDPA with a band mask
+    DecoderStep   causal attention over the paged KV cache (attention/paged*.py): this step's K/V are
                   written through the slot mapping, every key is read through the block table, so
                   chunked prefill and prefix caching work as with native models; the layer's cache
                   and metadata group are picked by `module.layer_idx`
@@ -28,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tidepool.attention import cpu_kernels
-from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata
-from tidepool.attention.paged import PagedAttentionMetadata, paged_attention
+from tidepool.attention import torch_backend
+from tidepool.attention.backend import DecoderAttentionBackend, EncoderAttentionBackend
+from tidepool.attention.metadata import EncoderAttentionMetadata
+from tidepool.attention.paged_metadata import PagedAttentionMetadata
 
 ATTENTION_NAME = "tidepool"
 """The key of our function in transformers' AttentionInterface (config._attn_implementation)."""
@@ -50,9 +51,10 @@ class EncoderStep:
     """One encoder step: bidirectional attention inside each packed sequence."""
 
     metadata: EncoderAttentionMetadata
-    use_cpu_kernel: bool = False
-    """The metadata is the packed batch (no padded layout) and layers without a sliding window
-    run on tidepool's CPU kernel (attention/cpu_kernels.py); the others on gathered buckets."""
+    """The packed batch when the backend runs on packed tokens, else the padded layout's."""
+    backend: EncoderAttentionBackend
+    """The model's attention backend (chosen at load); layers with a sliding window run on
+    bucketed SDPA with a band mask whatever it is."""
     modules_called: set[int] = field(default_factory=set)
     """id() of each attention module that ran (ALBERT runs one module in every layer)."""
     _band_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -73,68 +75,13 @@ class EncoderStep:
         # [1, H, T, D] → [T, H, D] views (no copy).
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         num_tokens, num_heads, head_dim = q.shape
-        if self.use_cpu_kernel and sliding_window is None and head_dim in cpu_kernels.HEAD_DIMS:
-            meta = self.metadata
-            out = cpu_kernels.encoder_attention(
-                q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale
-            )
-            return out.view(1, num_tokens, num_heads, head_dim)
-        buckets = self.metadata.buckets
-        if len(buckets) == 1:
-            out = self._attend_bucket(q, k, v, buckets[0], scale, sliding_window)
+        if sliding_window is None:
+            out = self.backend.attend_heads(q, k, v, self.metadata, scale)
         else:
-            out = q.new_empty(num_tokens, num_heads * head_dim)
-            for bucket in buckets:
-                out[bucket.start : bucket.end] = self._attend_bucket(
-                    q, k, v, bucket, scale, sliding_window
-                )
+            out = torch_backend.encoder_attention_heads(
+                q, k, v, self.metadata, scale, sliding_window, self._band_masks
+            )
         return out.view(1, num_tokens, num_heads, head_dim)
-
-    def _attend_bucket(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        bucket: AttentionBucket,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        num_seqs, max_len = bucket.num_seqs, bucket.max_len
-
-        def padded(t: torch.Tensor) -> torch.Tensor:
-            # [tokens, H, D] → [num_seqs, H, max_len, D]
-            if bucket.gather_index is None:
-                rows = t[bucket.start : bucket.end]
-            else:
-                rows = t.index_select(0, bucket.gather_index)
-            return rows.view(num_seqs, max_len, t.shape[1], t.shape[2]).transpose(1, 2)
-
-        mask = bucket.key_mask  # [num_seqs, 1, 1, max_len] or None
-        if sliding_window is not None and sliding_window < max_len:
-            band = self._band_mask(max_len, sliding_window, q.device)
-            mask = band if mask is None else mask & band
-        o = F.scaled_dot_product_attention(
-            padded(q),
-            padded(k),
-            padded(v),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        # [num_seqs, H, max_len, D] → [num_seqs * max_len, H * D]
-        o = o.transpose(1, 2).reshape(num_seqs * max_len, -1)
-        if bucket.valid_slots is not None:
-            o = o.index_select(0, bucket.valid_slots)
-        return o
-
-    def _band_mask(self, length: int, window: int, device: torch.device) -> torch.Tensor:
-        """[length, length] bool, True where |q - k| < window; made once per step and shape."""
-        band = self._band_masks.get((length, window))
-        if band is None:
-            idx = torch.arange(length, device=device)
-            band = (idx[:, None] - idx[None, :]).abs() < window
-            self._band_masks[(length, window)] = band
-        return band
 
 
 @dataclass
@@ -149,6 +96,8 @@ class DecoderStep:
     declared_windows: tuple[int | None, ...]
     """The sliding window each layer passed in the build-time probe (its KV spec was made from
     it); a layer passing another one later is refused."""
+    backend: DecoderAttentionBackend
+    """The model's attention backend (chosen at load)."""
     modules_called: set[int] = field(default_factory=set)
     """id() of each attention module that ran."""
 
@@ -175,7 +124,8 @@ class DecoderStep:
         _require_causal(module)
         # [1, H, T, D] → [T, H, D] views (no copy); paged_attention handles the strides.
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-        out = paged_attention(q, k, v, self.kv_caches[index], self.metadata.for_layer(index), scale)
+        meta = self.metadata.for_layer(index)
+        out = self.backend.paged_attention(q, k, v, self.kv_caches[index], meta, scale)
         return out.view(1, q.shape[0], q.shape[1], q.shape[2])
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from tidepool.config import ModelConfig
+from tidepool.models.interfaces import attach_attention_backend
 from tidepool.models.layers.linear import Linear
 from tidepool.models.loader import iter_weights
 from tidepool.models.transformers_attention import (
@@ -328,10 +329,13 @@ def build_transformers_model(config: ModelConfig) -> nn.Module:
         body.pooler = None  # BERT's pooler feeds classifiers only (add_pooling_layer=False)
     hf_model.eval().requires_grad_(False)
     _use_packed_linears(hf_model)
+    model: TransformersDecoderModel | TransformersEncoderModel
     if info.is_causal:
-        return TransformersDecoderModel(hf_model, config)
-    model = TransformersEncoderModel(hf_model, config, info.position_offset)
-    model.process_weights_after_loading()  # builds the CPU attention kernel now, if it runs here
+        model = TransformersDecoderModel(hf_model, config)
+    else:
+        model = TransformersEncoderModel(hf_model, config, info.position_offset)
+    # Builds the CPU attention kernel now, if it runs here.
+    attach_attention_backend(model, config.device, config.dtype)
     return model
 
 

@@ -1,8 +1,10 @@
-"""tidepool's model contract around a Hugging Face model (the transformers backend).
+"""tidepool's model contract (models/interfaces.py) around a Hugging Face model (the transformers
+backend).
 
-    TransformersEncoderModel  forward(input_ids, positions, EncoderAttentionMetadata, token_type_ids)
-    TransformersDecoderModel  forward(input_ids, positions, PagedAttentionMetadata, kv_caches)
-                              + kv_cache_specs(block_size, dtype)
+    TransformersEncoderModel  an EncoderModel: forward(input_ids, positions,
+                              EncoderAttentionMetadata, token_type_ids); no first-token-only path
+    TransformersDecoderModel  a DecoderModel: forward(input_ids, positions, PagedAttentionMetadata,
+                              kv_caches) + kv_cache_specs(block_size, dtype)
     both                      → hidden [num_tokens, hidden]; compute_logits(pooled / last states)
 
 The HF body runs on the flat batch as one sequence [1, num_tokens]; the step's attention metadata
@@ -21,7 +23,15 @@ import torch
 from torch import nn
 
 from tidepool.attention import cpu_kernels
-from tidepool.attention.metadata import pad_buckets
+from tidepool.attention.backend import (
+    BUCKETED_SDPA,
+    PAGED_SDPA,
+    AttentionSpec,
+    DecoderAttentionBackend,
+    EncoderAttentionBackend,
+)
+from tidepool.attention.metadata import EncoderAttentionMetadata, pad_buckets
+from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.config import ModelConfig
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from tidepool.models.transformers_attention import (
@@ -140,6 +150,8 @@ class TransformersEncoderModel(nn.Module):
     """A bidirectional HF encoder on the packed batch (no KV cache)."""
 
     is_causal: ClassVar[bool] = False
+    supports_first_token_only: ClassVar[bool] = False
+    """HF's layers compute every row; CLS pooling reads the first one."""
 
     def __init__(self, hf_model: nn.Module, config: ModelConfig, position_offset: int) -> None:
         super().__init__()
@@ -153,24 +165,40 @@ class TransformersEncoderModel(nn.Module):
         if config.task == "classify" and classifier_pooling in ("CLS", "MEAN"):
             self.default_pooling_type = classifier_pooling  # ModernBERT pools before its head
         self._head = HeadRunner(hf_model, is_causal=False) if config.task != "embed" else None
-        self._cpu_kernel: bool | None = None
+        self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
+        """Chosen by the loader (attention/backend.py)."""
+
+    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        config = self.hf_model.config
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        max_len = int(getattr(config, "max_position_embeddings", 0) or 0)
+        return AttentionSpec(device, dtype, head_dim, max_len or cpu_kernels.MAX_SEQ_LEN)
+
+    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
+        self.attention_backend = backend
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: Any,
+        attn_metadata: EncoderAttentionMetadata,
         token_type_ids: torch.Tensor | None = None,
+        first_token_only: bool = False,
     ) -> torch.Tensor:
-        if self._uses_cpu_kernel():
+        if first_token_only:
+            raise ValueError("supports_first_token_only is False: every row is computed")
+        backend = self.attention_backend
+        if backend.packed_layout:
             # Packed tokens: the kernel needs no padding; layers it cannot run (a sliding window)
             # gather their buckets from the packed rows.
             layout = None
-            step = EncoderStep(attn_metadata, use_cpu_kernel=True)
+            step = EncoderStep(attn_metadata, backend)
             slots = slice(None)
         else:
             layout = pad_buckets(attn_metadata)
-            step = EncoderStep(layout.metadata)
+            step = EncoderStep(layout.metadata, backend)
             slots = layout.token_index
         kwargs: dict[str, Any] = {STEP_KWARG: step}
         if self._takes_token_type_ids:
@@ -187,26 +215,6 @@ class TransformersEncoderModel(nn.Module):
         if layout is None:
             return out[0][0]
         return out[0][0].index_select(0, layout.slot_of_token)
-
-    def process_weights_after_loading(self) -> None:
-        """Decide the attention path once device and dtype are final (a machine's first run
-        builds the CPU kernel while the model loads, not inside its first request)."""
-        self._cpu_kernel = None
-        self._uses_cpu_kernel()
-
-    def _uses_cpu_kernel(self) -> bool:
-        """tidepool's CPU attention kernel where it runs (cpu_kernels.supports), decided once."""
-        if self._cpu_kernel is None:
-            config = self.hf_model.config
-            weight = next(self.hf_model.parameters())
-            head_dim = getattr(config, "head_dim", None) or (
-                config.hidden_size // config.num_attention_heads
-            )
-            max_len = int(getattr(config, "max_position_embeddings", 0) or 0)
-            self._cpu_kernel = cpu_kernels.supports(
-                weight.device, weight.dtype, head_dim, max_len or cpu_kernels.MAX_SEQ_LEN
-            )
-        return self._cpu_kernel
 
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         """pooled [num_seqs, hidden] → [num_seqs, num_labels] through the HF classifier."""
@@ -230,6 +238,16 @@ class TransformersDecoderModel(nn.Module):
         self._cache_index = {layer_idx: i for i, layer_idx in enumerate(self._layer_ids)}
         self._declared_windows = tuple(layer.sliding_window for layer in self._layers)
         self._head = HeadRunner(hf_model, is_causal=True) if config.task != "embed" else None
+        self.attention_backend: DecoderAttentionBackend = PAGED_SDPA
+        """Chosen by the loader (attention/backend.py)."""
+
+    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        max_len = int(getattr(self.hf_model.config, "max_position_embeddings", 0) or 0)
+        head_size = self._layers[0].head_size  # as the layers pass it (the probe)
+        return AttentionSpec(device, dtype, head_size, max_len or self.max_model_len)
+
+    def set_attention_backend(self, backend: DecoderAttentionBackend) -> None:
+        self.attention_backend = backend
 
     @staticmethod
     @torch.inference_mode()
@@ -265,10 +283,16 @@ class TransformersDecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: Any,
+        attn_metadata: PagedAttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        step = DecoderStep(attn_metadata, kv_caches, self._cache_index, self._declared_windows)
+        step = DecoderStep(
+            attn_metadata,
+            kv_caches,
+            self._cache_index,
+            self._declared_windows,
+            self.attention_backend,
+        )
         out = self.hf_model.base_model(
             input_ids=input_ids[None],
             position_ids=positions[None],

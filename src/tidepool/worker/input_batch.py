@@ -2,8 +2,8 @@
 
 Requests are laid out decodes first (longest context first), then prefill chunks (longest chunk
 first), so that neighbours have similar shapes and attention runs them as a few padded buckets
-(see attention/paged.py). Everything per token is computed with tensor ops; Python loops run over
-requests only.
+(see attention/paged_metadata.py). Everything per token is computed with tensor ops; Python loops
+run over requests only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidepool.attention.paged import (
+from tidepool.attention.paged_metadata import (
     AttentionView,
     PagedAttentionMetadata,
     build_group_metadata,

@@ -13,14 +13,17 @@ import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any, cast
 
 import torch
 
 from tidepool.attention.metadata import build_encoder_metadata
-from tidepool.attention.paged import AttentionView, allocate_kv_caches
-from tidepool.config import EngineConfig
+from tidepool.attention.paged import allocate_kv_caches
+from tidepool.attention.paged_metadata import AttentionView
+from tidepool.config import EngineConfig, ModelConfig
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.kv_cache.spec import KVCacheConfig, group_layers, plan_kv_cache
+from tidepool.models.interfaces import DecoderModel, EncoderModel, LanguageModelHead
 from tidepool.models.registry import build_model
 from tidepool.params import PoolingParams
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
@@ -59,7 +62,7 @@ class ModelRunner:
         self.config = config
         self.device = config.model.device
         torch.manual_seed(config.model.seed)
-        self.model = build_model(config.model)
+        self.model = _check_contract(build_model(config.model), config.model)
         self.pooler = Pooler(config.model, self.model)
         self.num_heads = int(config.model.hf_config.num_attention_heads)
         # positions are 0..len-1 per sequence: slices of one arange, made once.
@@ -78,7 +81,8 @@ class ModelRunner:
 
     def _init_kv_cache(self) -> None:
         cache, model_config = self.config.cache, self.config.model
-        specs = self.model.kv_cache_specs(cache.block_size, model_config.dtype)
+        model = cast(DecoderModel, self.model)  # _check_contract: causal → DecoderModel
+        specs = model.kv_cache_specs(cache.block_size, model_config.dtype)
         groups = group_layers(specs, uniform=cache.disable_hybrid_kv_cache_manager)
         kv_bytes, fraction = cache.budget(self.device)
         kv_config = plan_kv_cache(groups, kv_bytes, fraction, device=self.device)
@@ -138,7 +142,8 @@ class ModelRunner:
             self.device,
             CAUSAL_MAX_PAD_FRACTION,
         )
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
+        model = cast(DecoderModel, self.model)  # _check_contract: causal → DecoderModel
+        hidden = model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
         if self.sampler is not None:
             return ModelRunnerOutput(sampled=self._sample(hidden, batch))
         return ModelRunnerOutput(pooled=self._pool_chunks(hidden, batch))
@@ -171,20 +176,19 @@ class ModelRunner:
             seq_lens, device, num_heads=self.num_heads, dtype=self.config.model.dtype
         )
         params: list[PoolingParams] = [r.pooling_params for r in requests]  # type: ignore[misc]
+        model = cast(EncoderModel, self.model)  # _check_contract: not causal → EncoderModel
         if self._pools_first_tokens_only(params):
             # hidden: [num_seqs, hidden], each sequence's first token; to the pooler every
             # sequence is then one row long, and CLS pooling reads that row.
             num_seqs = len(seq_lens)
-            hidden = self.model(
-                input_ids, positions, attn_meta, token_type_ids, first_token_only=True
-            )
+            hidden = model(input_ids, positions, attn_meta, token_type_ids, first_token_only=True)
             pool_meta = PoolingMetadata(
                 seq_lens=[1] * num_seqs,
                 cu_seqlens=torch.arange(num_seqs + 1, dtype=torch.int64, device=device),
                 params=params,
             )
         else:
-            hidden = self.model(input_ids, positions, attn_meta, token_type_ids)
+            hidden = model(input_ids, positions, attn_meta, token_type_ids)
             pool_meta = PoolingMetadata(seq_lens, attn_meta.cu_seqlens, params)
         outputs = self.pooler(hidden, pool_meta)
         return {r.request_id: out for r, out in zip(requests, outputs, strict=True)}
@@ -193,7 +197,7 @@ class ModelRunner:
         """True when the step's outputs read only each sequence's first token (CLS pooling, no
         token task) and the model can compute only those rows in its last layer."""
         return (
-            getattr(self.model, "supports_first_token_only", False)
+            cast(EncoderModel, self.model).supports_first_token_only
             and self.pooler.pooling_type == "CLS"
             and not any(p.task.startswith("token_") for p in params)
         )
@@ -228,7 +232,8 @@ class ModelRunner:
             return {}
         requests = [batch.requests[i] for i in rows]
         last_token = batch.cu_query_lens[1:][rows] - 1
-        logits = self.model.compute_logits(hidden.index_select(0, last_token))
+        head = cast(LanguageModelHead, self.model)  # _check_contract: generate → an LM head
+        logits = head.compute_logits(hidden.index_select(0, last_token))
         generators = {}
         for row, request in enumerate(requests):
             generator = self.states[request.request_id].generator
@@ -248,6 +253,22 @@ class ModelRunner:
             r.request_id: SampledToken(token, logprobs)
             for r, token, logprobs in zip(requests, out.token_ids, out.logprobs, strict=True)
         }
+
+
+_CONTRACTS: dict[bool, type] = {False: EncoderModel, True: DecoderModel}
+"""is_causal → the Protocol (models/interfaces.py) the runner holds the model to."""
+
+
+def _check_contract(model: Any, config: ModelConfig) -> EncoderModel | DecoderModel:
+    """The model declares what this runner will call (checked once, at load)."""
+    contract = _CONTRACTS[config.is_causal]
+    if model.is_causal != config.is_causal or not isinstance(model, contract):
+        raise TypeError(
+            f"{type(model).__name__} does not implement the {contract.__name__} contract"
+        )
+    if config.runner_type == "generate" and not isinstance(model, LanguageModelHead):
+        raise TypeError(f"{type(model).__name__} has no LM head (compute_logits) to generate with")
+    return cast(EncoderModel | DecoderModel, model)
 
 
 def _stop_token_ids(request) -> list[int]:

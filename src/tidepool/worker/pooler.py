@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidepool.config import ModelConfig
+from tidepool.models.interfaces import ClassifierHead, PoolingModel
 from tidepool.models.loader import DenseModule
 from tidepool.params import PoolingParams
 
@@ -107,6 +108,9 @@ CHUNKED_METHODS: dict[str, ChunkedMethod] = {
     "MAX": ChunkedMethod(_pool_max, torch.maximum, lambda acc, n: acc),
 }
 
+UNSERVED_TASKS = ("token_classify",)
+"""Pooling task names a request may carry (params.POOLING_TASKS) that no pooler serves yet."""
+
 PREFIX_CACHE_SAFE_METHODS = ("LAST",)
 """Methods that read only the last token: a prefix-cache hit (skipping the first tokens) is fine."""
 
@@ -114,16 +118,18 @@ PREFIX_CACHE_SAFE_METHODS = ("LAST",)
 class Pooler(nn.Module):
     """Turns a step's hidden states into one output tensor per request (on the CPU, float32)."""
 
-    def __init__(self, model_config: ModelConfig, model: nn.Module) -> None:
+    def __init__(self, model_config: ModelConfig, model: PoolingModel) -> None:
         super().__init__()
         st = model_config.st
-        pooling_type = (st.pooling_mode or getattr(model, "default_pooling_type", "CLS")).upper()
+        pooling_type = (st.pooling_mode or model.default_pooling_type).upper()
         if pooling_type not in POOLING_METHODS:
             raise ValueError(
                 f"pooling mode {pooling_type} is not supported; supported: {sorted(POOLING_METHODS)}"
             )
         self.pooling_type = pooling_type
         self._method = POOLING_METHODS[pooling_type]
+        if model_config.task == "classify" and not isinstance(model, ClassifierHead):
+            raise TypeError(f"{type(model).__name__} has no classifier head (compute_logits)")
         self.model = model
         self.task = model_config.task
         self.num_labels = model_config.num_labels
@@ -157,6 +163,11 @@ class Pooler(nn.Module):
 
     def check_params(self, params: PoolingParams) -> None:
         """Raise ValueError if this model cannot serve `params` (before any work is done)."""
+        if params.task in UNSERVED_TASKS:
+            raise ValueError(
+                f"task {params.task!r} is not served: tidepool has no pooler for per-token "
+                f"classification yet; this model serves: {', '.join(self.supported_tasks())}"
+            )
         if params.task not in self.supported_tasks():
             raise ValueError(
                 f"task {params.task!r} is not supported by this {self.task} model; "
@@ -280,7 +291,7 @@ class Pooler(nn.Module):
         """pooled [n, hidden] → the head's output per sequence (on the CPU, float32)."""
         if self.task == "classify":
             head = self._finish_logits
-            values = self.model.compute_logits(pooled).float()
+            values = self.model.compute_logits(pooled).float()  # type: ignore[union-attr]
         else:
             head = self._finish_embedding
             values = self._apply_dense(pooled.float())

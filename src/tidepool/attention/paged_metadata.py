@@ -1,0 +1,253 @@
+"""Planning for causal attention over the paged KV cache: rows, buckets, block tables, masks.
+
+KV cache of one layer, head-major inside each KV-cache tensor (the kernels are in paged.py):
+
+    kv_cache [2, num_kv_heads, num_blocks, block_size, head_size]     (K = [0], V = [1])
+
+A step's scheduled tokens are cut into attention rows, and consecutive rows of similar size form a
+bucket that runs as one padded SDPA call. A row is a request's query tokens of this step, or a tile
+of them (long prefills are tiled so that the [queries, keys] mask stays small). Worked example,
+block_size 4, the runner puts decodes first (longest context first), then prefills:
+
+    request   context  query  keys (context + query)
+    A         9        1      10  → padded to 12 (3 blocks)      bucket 0: decodes A, B
+    B         7        1      8   → padded to 12 (A's blocks)    (waste 2/20 keys)
+    C         0        6      6   → 8                            bucket 1: prefill C alone
+
+Every layer of a KV-cache group shares the group's metadata (slot mapping, buckets, masks), built
+once per step. Masks are additive (0 / -inf): key k is visible to the query at position p when
+k <= p (and k > p - sliding_window). Keys past a row's end read the null block or stale values of
+the row's last block; both are finite (the cache is zero-initialised), and the mask hides them.
+A sliding-window group gathers from the block of a row's first visible key, not from block 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from tidepool.kv_cache.spec import KVCacheSpec, SlidingWindowSpec
+
+# Queries of one row at most: a longer prefill chunk is cut into tiles of this many tokens,
+# each attending to the keys up to its own end (so the mask is [tile, keys], not [chunk, keys]).
+MAX_ROW_QUERY_LEN = 512
+# A bucket's mask holds at most this many elements (num_kv_heads * rows * queries * keys).
+_MAX_BUCKET_MASK_ELEMS = 1 << 24
+
+
+@dataclass(frozen=True)
+class AttentionRow:
+    """Query tokens [token_start, token_start + query_len) of one request, at positions
+    context_len .. context_len + query_len - 1; `request_index` picks its block-table row."""
+
+    request_index: int
+    token_start: int
+    context_len: int
+    query_len: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + self.query_len
+
+
+@dataclass(frozen=True)
+class PagedBucket:
+    start: int
+    """First flat token of the bucket (its rows are contiguous in the flat batch)."""
+    end: int
+    num_rows: int
+    query_len: int
+    """Queries per row after padding."""
+    key_len: int
+    """Keys per row after padding: a whole number of blocks."""
+    block_index: torch.Tensor
+    """[num_rows * key_len // block_size] block id per padded block (0 = the null block)."""
+    mask: torch.Tensor
+    """[num_kv_heads * num_rows, 1, query_len, key_len] additive (0 / -inf), model dtype."""
+    query_gather: torch.Tensor | None
+    """[num_rows * query_len] flat token per padded query slot; None when nothing is padded."""
+    valid_slots: torch.Tensor | None
+    """[end - start] padded query slots that hold real tokens; None when nothing is padded."""
+
+
+@dataclass(frozen=True)
+class GroupAttentionMetadata:
+    """One KV-cache group's view of the step (its block tables differ from other groups')."""
+
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: cache slot (block_id * block_size + offset) each new token's KV goes to."""
+    buckets: tuple[PagedBucket, ...]
+
+
+class AttentionView(NamedTuple):
+    """Layers that read one KV-cache group's block tables with one spec (mask and gather).
+
+    Usually one view per group. With the uniform layout (disable_hybrid_kv_cache_manager) the
+    sliding-window layers sit in the full-attention group, keep every block, and still attend
+    only inside their window: that group has two views, one per spec.
+    """
+
+    group_id: int
+    spec: KVCacheSpec
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    num_tokens: int
+    groups: tuple[GroupAttentionMetadata, ...]
+    """One per attention view."""
+    layer_groups: tuple[int, ...]
+    """Layer index → its attention view (index into `groups`)."""
+
+    def for_layer(self, layer_index: int) -> GroupAttentionMetadata:
+        return self.groups[self.layer_groups[layer_index]]
+
+
+def split_rows(
+    context_lens: Sequence[int], query_lens: Sequence[int], max_query_len: int = MAX_ROW_QUERY_LEN
+) -> list[AttentionRow]:
+    """Requests in flat order → attention rows (a request longer than max_query_len is tiled)."""
+    rows: list[AttentionRow] = []
+    token_start = 0
+    for index, (context_len, query_len) in enumerate(zip(context_lens, query_lens, strict=True)):
+        for offset in range(0, query_len, max_query_len):
+            tile_len = min(max_query_len, query_len - offset)
+            rows.append(AttentionRow(index, token_start + offset, context_len + offset, tile_len))
+        token_start += query_len
+    return rows
+
+
+def plan_buckets(
+    rows: Sequence[AttentionRow], block_size: int, num_kv_heads: int, max_pad_fraction: float
+) -> list[tuple[int, int]]:
+    """[first_row, end_row) of each bucket: consecutive rows while the padded area
+    (rows x max queries x max keys) stays within (1 + max_pad_fraction) x the real one."""
+    spans: list[tuple[int, int]] = []
+    i = 0
+    while i < len(rows):
+        max_q, max_k = rows[i].query_len, _round_up(rows[i].seq_len, block_size)
+        real_area = rows[i].query_len * rows[i].seq_len
+        j = i + 1
+        while j < len(rows):
+            q, k = max(max_q, rows[j].query_len), max(max_k, _round_up(rows[j].seq_len, block_size))
+            area = real_area + rows[j].query_len * rows[j].seq_len
+            padded = (j - i + 1) * q * k
+            if padded > (1.0 + max_pad_fraction) * area or (
+                padded * num_kv_heads > _MAX_BUCKET_MASK_ELEMS
+            ):
+                break
+            max_q, max_k, real_area = q, k, area
+            j += 1
+        spans.append((i, j))
+        i = j
+    return spans
+
+
+def build_group_metadata(
+    rows: Sequence[AttentionRow],
+    spans: Sequence[tuple[int, int]],
+    block_table: torch.Tensor,
+    token_request: torch.Tensor,
+    positions: torch.Tensor,
+    spec: KVCacheSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> GroupAttentionMetadata:
+    """block_table: [num_requests, max_blocks] int64 (0-padded); token_request / positions:
+    [num_tokens] request index and position of each flat token (CPU tensors)."""
+    block_size = spec.block_size
+    block_ids = block_table[token_request, torch.div(positions, block_size, rounding_mode="floor")]
+    slot_mapping = block_ids * block_size + positions % block_size
+    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+    buckets = tuple(
+        _make_bucket(rows[i:j], block_table, spec.num_kv_heads, block_size, window, dtype, device)
+        for i, j in spans
+    )
+    return GroupAttentionMetadata(slot_mapping.to(device, non_blocking=True), buckets)
+
+
+def _make_bucket(
+    rows: Sequence[AttentionRow],
+    block_table: torch.Tensor,
+    num_kv_heads: int,
+    block_size: int,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> PagedBucket:
+    num_rows = len(rows)
+    query_len = max(r.query_len for r in rows)
+    query_lens = torch.tensor([r.query_len for r in rows])
+    context_lens = torch.tensor([r.context_len for r in rows])
+    block_index, key_pos = _row_blocks(rows, block_table, block_size, window)
+    key_len = key_pos.shape[1]
+    slot = torch.arange(query_len)
+    # Padded query slots take the row's last position: their keys are real, so no row of the
+    # softmax is all -inf (their outputs are dropped anyway).
+    query_pos = context_lens[:, None] + torch.minimum(slot[None, :], query_lens[:, None] - 1)
+    visible = key_pos[:, None, :] <= query_pos[:, :, None]  # [rows, queries, keys]
+    if window is not None:
+        visible &= key_pos[:, None, :] > query_pos[:, :, None] - window
+    mask = torch.zeros(num_rows, query_len, key_len, dtype=dtype).masked_fill_(~visible, -torch.inf)
+    # Heads are the outer batch axis of the gathered K/V: [num_kv_heads * num_rows, ...].
+    mask = mask.unsqueeze(0).expand(num_kv_heads, -1, -1, -1).reshape(-1, 1, query_len, key_len)
+
+    query_gather = valid_slots = None
+    if any(r.query_len != query_len for r in rows):
+        starts = torch.tensor([r.token_start for r in rows])
+        valid = slot[None, :] < query_lens[:, None]
+        gather = torch.where(valid, starts[:, None] + slot[None, :], starts[:, None])
+        query_gather = gather.reshape(-1).to(device)
+        valid_slots = valid.reshape(-1).nonzero().squeeze(1).to(device)
+    start = rows[0].token_start
+    end = rows[-1].token_start + rows[-1].query_len
+    return PagedBucket(
+        start,
+        end,
+        num_rows,
+        query_len,
+        key_len,
+        block_index.to(device),
+        mask.to(device),
+        query_gather,
+        valid_slots,
+    )
+
+
+def _row_blocks(
+    rows: Sequence[AttentionRow],
+    block_table: torch.Tensor,
+    block_size: int,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block ids to gather [rows * blocks], position of each gathered key [rows, keys]).
+
+    Full attention reads every block from the first. A sliding window reads from the block of
+    the row's first visible key (first query position - window + 1): a 4K window over a 32K
+    context gathers 4K keys, not 32K.
+    """
+    # Per-row block ranges in Python ints: a handful of rows, and tensor reductions cost more.
+    last_blocks = [(r.seq_len - 1) // block_size for r in rows]
+    first_blocks = [0] * len(rows)
+    if window is not None:
+        first_blocks = [max(r.context_len - window + 1, 0) // block_size for r in rows]
+    num_blocks = (
+        max(last - first for first, last in zip(first_blocks, last_blocks, strict=True)) + 1
+    )
+    table = block_table[torch.tensor([r.request_index for r in rows])]
+    first_block = torch.tensor(first_blocks)
+    columns = first_block[:, None] + torch.arange(num_blocks)[None, :]  # [rows, blocks]
+    width = max(first_blocks) + num_blocks
+    if table.shape[1] < width:
+        table = F.pad(table, (0, width - table.shape[1]))
+    block_index = table.gather(1, columns).reshape(-1)
+    key_pos = (first_block * block_size)[:, None] + torch.arange(num_blocks * block_size)[None, :]
+    return block_index, key_pos
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

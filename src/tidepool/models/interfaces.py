@@ -1,0 +1,170 @@
+"""What the model runner and the output stage may call and read on a model: the written contract.
+
+    EncoderModel   bidirectional, no KV cache: the runner packs each prompt whole
+                   forward(input_ids, positions, EncoderAttentionMetadata, token_type_ids,
+                           first_token_only) → hidden [num_tokens, hidden] or [num_seqs, hidden]
+    DecoderModel   causal, over the paged KV cache the runner owns
+                   kv_cache_specs(block_size, dtype); forward(input_ids, positions,
+                           PagedAttentionMetadata, kv_caches) → hidden [num_tokens, hidden]
+    both           is_causal, default_pooling_type; attention_spec(device, dtype) and
+                   set_attention_backend(backend): the loader picks the backend once
+                   (attention/backend.py), the model calls it
+    ClassifierHead compute_logits(pooled [num_seqs, hidden]) → [num_seqs, num_labels]
+    LanguageModelHead compute_logits(hidden [num_seqs, hidden]) → float32 [num_seqs, vocab]
+    LoadableModel  load_weights(checkpoint tensors) → the parameter names filled (native models;
+                   the transformers backend fills its HF model itself)
+
+Native models (bert.py, llama.py, gemma.py) and the transformers-backend wrappers
+(transformers_wrappers.py) declare every member; nothing is probed with getattr. The Protocols
+are runtime-checkable (isinstance checks that the members exist) for the loader's and the tests'
+checks; the runner reads the declared members directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from tidepool.attention.backend import (
+    AttentionSpec,
+    DecoderAttentionBackend,
+    EncoderAttentionBackend,
+    select_decoder_backend,
+    select_encoder_backend,
+)
+from tidepool.attention.metadata import EncoderAttentionMetadata
+from tidepool.attention.paged_metadata import PagedAttentionMetadata
+from tidepool.kv_cache.spec import KVCacheSpec
+
+
+@runtime_checkable
+class EncoderModel(Protocol):
+    """A bidirectional encoder body (with or without a classifier head)."""
+
+    is_causal: ClassVar[bool]
+    """False: no KV cache, each prompt runs whole in one step."""
+    default_pooling_type: str
+    """CLS, MEAN, LAST or MAX: the pooling when sentence-transformers metadata names none."""
+    supports_first_token_only: bool
+    """forward(..., first_token_only=True) is implemented (CLS pooling computes one row per
+    sequence in the last layer); when False the runner never passes it."""
+    attention_backend: EncoderAttentionBackend
+    """The backend the layers call (set by the loader; bucketed SDPA when built by hand)."""
+
+    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        """What this model's attention needs (head width, positions) on `device` / `dtype`."""
+        ...
+
+    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
+        """Use `backend` from now on (called once, at load)."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: EncoderAttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,
+        first_token_only: bool = False,
+    ) -> torch.Tensor:
+        """input_ids / positions / token_type_ids: [num_tokens], sequences packed in the
+        metadata's order (positions 0-based per sequence) → [num_tokens, hidden]; with
+        `first_token_only`, [num_seqs, hidden]: each sequence's first token."""
+        ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: EncoderAttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,
+        first_token_only: bool = False,
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class DecoderModel(Protocol):
+    """A causal decoder body (with or without an LM or classifier head)."""
+
+    is_causal: ClassVar[bool]
+    """True: runs over the paged KV cache; prompts may be chunked across steps."""
+    default_pooling_type: str
+    """The pooling of an embedding decoder when no metadata names one (LAST)."""
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
+        """Layer name → what it stores per block, in layer order: kv_caches[i] of `forward` is
+        the i-th layer with a spec (None: a layer without a KV cache)."""
+        ...
+
+    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        """What this model's attention needs on `device` / `dtype`."""
+        ...
+
+    def set_attention_backend(self, backend: DecoderAttentionBackend) -> None:
+        """Use `backend` from now on (called once, at load)."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: PagedAttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """input_ids / positions: [num_tokens] of the step's scheduled tokens; kv_caches: one
+        [2, num_kv_heads, num_blocks, block_size, head_size] view per cached layer
+        → hidden [num_tokens, hidden] (after the final norm)."""
+        ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: PagedAttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ClassifierHead(Protocol):
+    """A sequence classifier / cross-encoder: the pooler calls it on the pooled states."""
+
+    def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        """pooled [num_seqs, hidden] → logits [num_seqs, num_labels]."""
+        ...
+
+
+@runtime_checkable
+class LanguageModelHead(Protocol):
+    """A causal LM: the runner calls it on each finishing row's last hidden state."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_seqs, hidden] → float32 logits [num_seqs, vocab]."""
+        ...
+
+
+@runtime_checkable
+class LoadableModel(Protocol):
+    """A native model, filled from checkpoint tensors after construction on the meta device."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """(checkpoint name, tensor) pairs → the names of the parameters filled."""
+        ...
+
+
+PoolingModel = EncoderModel | DecoderModel
+"""What the pooler reads hidden states from."""
+
+
+def attach_attention_backend(
+    model: EncoderModel | DecoderModel, device: torch.device, dtype: torch.dtype
+) -> None:
+    """The loader's half of the attention contract: select the backend once (device and dtype
+    are final; a CPU kernel builds now, during load) and hand it to the model."""
+    spec = model.attention_spec(device, dtype)
+    if model.is_causal:
+        model.set_attention_backend(select_decoder_backend(spec))  # type: ignore[arg-type]
+    else:
+        model.set_attention_backend(select_encoder_backend(spec))  # type: ignore[arg-type]
