@@ -96,6 +96,17 @@ class ModelConfig:
         return "generate" if self.task == "generate" else "pooling"
 
     @property
+    def pooling_tasks(self) -> tuple[str, ...]:
+        """The pooling tasks this model serves (the one rule the pooler and the entry points
+        read): a classifier classifies, and with one label also scores (a cross-encoder's
+        relevance, sigmoid); any other pooling model embeds; a generating model pools nothing."""
+        if self.task == "generate":
+            return ()
+        if self.task == "classify":
+            return ("classify", "score") if self.num_labels == 1 else ("classify",)
+        return ("embed", "token_embed")
+
+    @property
     def num_labels(self) -> int:
         return int(getattr(self.hf_config, "num_labels", 1))
 

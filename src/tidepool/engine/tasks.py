@@ -2,22 +2,18 @@
 
 One rule for the offline `LLM`: a call the model cannot serve at all (`.embed` on a cross-encoder,
 `.classify` on an embedder) raises ValueError before any work, naming the model and what it is
-for. The rule mirrors `Pooler.supported_tasks` (worker/pooler.py), which checks each request.
+for. The tasks come from `ModelConfig.pooling_tasks`, which the pooler also checks each request against.
 """
 
 from __future__ import annotations
 
 from tidepool.config import ModelConfig
+from tidepool.params import POOLING_TASKS
 
 
 def supported_tasks(model_config: ModelConfig) -> tuple[str, ...]:
-    """The pooling tasks of a model: a classifier classifies (a one-label one also scores), an
-    embedder embeds; a generating model has none."""
-    if model_config.task == "generate":
-        return ()
-    if model_config.task == "classify":
-        return ("classify", "score") if model_config.num_labels == 1 else ("classify",)
-    return ("embed", "token_embed")
+    """The pooling tasks of a model (`ModelConfig.pooling_tasks`, which the pooler reads too)."""
+    return model_config.pooling_tasks
 
 
 _NEEDS = {
@@ -34,6 +30,8 @@ def check_task_supported(model_config: ModelConfig, task: str) -> None:
     """Raise ValueError, before any work, if the model cannot serve `task` ("embed", "classify",
     "score", "token_embed", "token_classify"). "score" also works on embedding models (the
     cosine of two embeddings)."""
+    if task not in POOLING_TASKS:
+        raise ValueError(f"unknown pooling task {task!r}; expected one of {POOLING_TASKS}")
     tasks = supported_tasks(model_config)
     if task in tasks or (task == "score" and "embed" in tasks):
         return

@@ -31,6 +31,7 @@ from tidepool.engine.pooling import (
     pair_failures,
     plan_embedding_scores,
 )
+from tidepool.engine.tasks import check_task_supported
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import (
     BatchInputError,
@@ -202,6 +203,7 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
     ) -> list[EmbeddingRequestOutput]:
+        check_task_supported(self.model_config, "embed")
         results, errors = self._encode_raw(
             prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm
         )
@@ -215,11 +217,7 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
     ) -> list[ClassificationRequestOutput]:
-        if self.model_config.task != "classify":
-            raise ValueError(
-                "classify() needs a model with a classification head "
-                f"({self.model_config.architecture} is an embedding model)"
-            )
+        check_task_supported(self.model_config, "classify")
         results, errors = self._encode_raw(
             prompts, "classify", pooling_params, truncate_prompt_tokens, use_tqdm
         )
@@ -239,6 +237,7 @@ class LLM:
         A cross-encoder reads each pair together; an embedding model scores the cosine of the two
         embeddings.
         """
+        check_task_supported(self.model_config, "score")
         pairs = expand_score_pairs(_as_list(data_1, "data_1"), _as_list(data_2, "data_2"))
         if self.model_config.task != "classify":
             return self._score_by_embedding(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)

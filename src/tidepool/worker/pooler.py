@@ -131,6 +131,7 @@ class Pooler(nn.Module):
         if model_config.task == "classify" and not isinstance(model, ClassifierHead):
             raise TypeError(f"{type(model).__name__} has no classifier head (compute_logits)")
         self.model = model
+        self.model_config = model_config
         self.task = model_config.task
         self.num_labels = model_config.num_labels
         self.dense: list[DenseModule] = [
@@ -154,12 +155,7 @@ class Pooler(nn.Module):
         )
 
     def supported_tasks(self) -> tuple[str, ...]:
-        if self.task == "generate":
-            return ()  # a generating engine runs the sampler, not the pooler
-        if self.task == "classify":
-            # "score" = a cross-encoder's relevance: one label, sigmoid.
-            return ("classify", "score") if self.num_labels == 1 else ("classify",)
-        return ("embed", "token_embed")
+        return self.model_config.pooling_tasks
 
     def check_params(self, params: PoolingParams) -> None:
         """Raise ValueError if this model cannot serve `params` (before any work is done)."""

@@ -9,15 +9,20 @@ server.py only call these methods and serialize the result.
 from __future__ import annotations
 
 import base64
-import math
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-import torch.nn.functional as F
 
 from tidepool.engine.async_engine import AsyncEngine
+from tidepool.engine.pooling import (
+    cosine_scores,
+    cross_encoder_score,
+    default_pooling_task,
+    expand_score_pairs,
+    plan_embedding_scores,
+)
 from tidepool.entrypoints.openai import protocol as p
 from tidepool.entrypoints.openai.errors import ApiError
 from tidepool.entrypoints.openai.inputs import (
@@ -105,7 +110,7 @@ class OpenAIServing:
 
     def _default_task(self) -> str:
         """The pooling task of a request that names none: the model's own."""
-        return "classify" if self.model_config.task == "classify" else "embed"
+        return default_pooling_task(self.model_config.task)
 
     def _params(self, param: str = "input", **fields: Any) -> PoolingParams:
         try:
@@ -193,18 +198,13 @@ class OpenAIServing:
         model = self.model_name(req.model)
         first = parse_texts(req.text_1, "text_1")
         second = parse_texts(req.text_2, "text_2")
-        if len(first) == 1:
-            first = first * len(second)
-        elif len(first) != len(second):
-            raise ApiError(
-                400,
-                f"text_1 has {len(first)} items and text_2 {len(second)}: give one text_1 item "
-                "(1-to-N) or as many as text_2 (N-to-N)",
-                "text_1",
-            )
+        try:
+            pairs = expand_score_pairs(first, second, ("text_1", "text_2"))
+        except ValueError as e:
+            raise ApiError(400, str(e), "text_1") from e
         self.check_count(len(second), "text_2")
         scores, num_tokens = await self._score_pairs(
-            list(zip(first, second, strict=True)), req.truncate_prompt_tokens, req.activation
+            pairs, req.truncate_prompt_tokens, req.activation
         )
         data = [p.ScoreResponseData(index=i, score=s) for i, s in enumerate(scores)]
         usage = p.UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
@@ -238,8 +238,8 @@ class OpenAIServing:
             model=model, usage=p.RerankUsage(total_tokens=num_tokens), results=results
         )
 
-    # Scoring (cross-encoder pairs, or the cosine of embeddings) lives here only until the
-    # engine's shared scoring replaces it: keep it to these two methods.
+    # Scoring rules (pairs, cross-encoder scores, cosine of each distinct text once) are the
+    # engine's (engine/pooling.py), shared with the offline LLM; here only the HTTP errors.
 
     async def _score_pairs(
         self,
@@ -257,7 +257,7 @@ class OpenAIServing:
                 activation=activation,
             )
             outputs = await self._run(self.engine.encode_pairs(pairs, [params] * len(pairs)), param)
-            scores = [float(o.outputs.data.reshape(-1)[0]) for o in outputs]
+            scores = [cross_encoder_score(o.outputs.data) for o in outputs]
             return scores, sum(len(o.prompt_token_ids) for o in outputs)
         if "embed" not in self.engine.supported_tasks:
             labels = f" with {self.model_config.num_labels} labels"
@@ -272,20 +272,15 @@ class OpenAIServing:
     async def _score_by_embedding(
         self, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None, param: str
     ) -> tuple[list[float], int]:
-        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text once
-        slot = {text: i for i, text in enumerate(texts)}
+        plan = plan_embedding_scores(pairs)
         params = self._params(param, task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
         try:
-            outputs = await self.engine.encode(texts, [params] * len(texts))
+            outputs = await self.engine.encode(plan.texts, [params] * len(plan.texts))
         except BatchInputError as e:
             first = e.errors[0]
-            raise ApiError(400, f"{texts[first.index]!r:.60}: {first.message}", param) from e
-        embeddings = torch.stack([o.outputs.data for o in outputs])
-        left = embeddings[[slot[a] for a, _ in pairs]]
-        right = embeddings[[slot[b] for _, b in pairs]]
-        scores = F.cosine_similarity(left, right, dim=-1).tolist()
-        scores = [s if math.isfinite(s) else 0.0 for s in scores]
-        return scores, sum(len(o.prompt_token_ids) for o in outputs)
+            raise ApiError(400, f"{plan.texts[first.index]!r:.60}: {first.message}", param) from e
+        scores = cosine_scores([o.outputs.data for o in outputs], plan.pair_slots)
+        return scores, sum(len(o.prompt_token_ids) for o in outputs)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ models
 
