@@ -49,7 +49,13 @@ from tidepool.engine.args import build_engine_config
 from tidepool.engine.engine_core import EngineCore
 from tidepool.engine.generation_stream import GenerationInput, GenerationStream, StreamGroup
 from tidepool.engine.input_processor import InputProcessor, eos_token_ids
-from tidepool.engine.llm_engine import EngineStepError, LLMEngine, Output, StepRecord
+from tidepool.engine.llm_engine import (
+    EngineClosedError,
+    EngineStepError,
+    LLMEngine,
+    Output,
+    StepRecord,
+)
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams, SamplingParams
@@ -67,9 +73,9 @@ logger = logging.getLogger("tidepool")
 
 T = TypeVar("T")
 
-
-class EngineClosedError(RuntimeError):
-    """The engine is shutting down or has stopped: no new requests are taken."""
+# Threads that tokenize prompts (see AsyncEngine.__init__): enough that a request with huge texts
+# (bounded by the prefix tokenizer, but still up to ~1 s for 30 MB) leaves others a free worker.
+INPUT_WORKERS = 4
 
 
 @dataclass
@@ -173,8 +179,11 @@ class AsyncEngine:
         self.stats = AsyncEngineStats()
         self._step_listeners: list[Callable[[StepRecord], None]] = []
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        # One tokenizer thread: a fast tokenizer must not be used by two threads at once (its
-        # truncation settings are shared state), and the Rust side already uses several cores.
+        # Prompts are tokenized on INPUT_WORKERS threads: the InputProcessor holds no shared
+        # mutable state, and the Rust tokenizer releases the GIL, so one request's long texts do
+        # not hold up the next. The Hugging Face tokenizer itself (/tokenize, chat templates,
+        # decoding) changes its truncation settings on each call: one thread of its own.
+        self._input_pool = ThreadPoolExecutor(INPUT_WORKERS, thread_name_prefix="tidepool-input")
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tidepool-tokenizer")
         self._thread: threading.Thread | None = None
         self._accepting = True
@@ -242,21 +251,28 @@ class AsyncEngine:
                 logger.warning("engine did not drain in %.0f s; failing what is left", timeout_s)
             self._inbox.put(_Stop(drain=drained))
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self._input_pool.shutdown(wait=False, cancel_futures=True)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ requests
 
     async def run_in_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` on the tokenizer thread: tokenization never blocks the event loop."""
+        """Run `fn(*args)` on the thread that owns the Hugging Face tokenizer (`self.tokenizer`):
+        its calls never block the event loop, and never run two at once."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def _run_in_input_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run an InputProcessor call on one of the input workers (safe to run concurrently)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._input_pool, fn, *args)
 
     async def encode(
         self, prompts: Sequence[Any], params: Sequence[PoolingParams]
     ) -> list[PoolingRequestOutput]:
         """One output per prompt, in order. Invalid prompts raise BatchInputError (none run)."""
         with self._admit():
-            items = await self.run_in_tokenizer(self.input_processor.process, prompts, params)
+            items = await self._run_in_input_worker(self.input_processor.process, prompts, params)
             return await self._run_admitted(_requests_or_raise(items))
 
     async def encode_pairs(
@@ -264,7 +280,9 @@ class AsyncEngine:
     ) -> list[PoolingRequestOutput]:
         """Cross-encoder pairs, like `encode`."""
         with self._admit():
-            items = await self.run_in_tokenizer(self.input_processor.process_pairs, pairs, params)
+            items = await self._run_in_input_worker(
+                self.input_processor.process_pairs, pairs, params
+            )
             return await self._run_admitted(_requests_or_raise(items))
 
     async def run(self, requests: list[Request]) -> list[PoolingRequestOutput]:
@@ -281,7 +299,7 @@ class AsyncEngine:
         """Tokenize and check generating prompts (on the tokenizer thread): one Request per
         prompt, in order; invalid prompts raise BatchInputError."""
         with self._admit():
-            items = await self.run_in_tokenizer(
+            items = await self._run_in_input_worker(
                 self.input_processor.process_generate,
                 prompts,
                 params,
@@ -357,7 +375,7 @@ class AsyncEngine:
         except BaseException as exc:  # a bug in the loop itself: fail everyone, refuse new work
             logger.exception("the engine loop died")
             self._dead = exc
-            engine.fail_all(f"the engine loop died: {exc!r}")
+            engine.fail_all(f"the engine loop died: {exc!r}", EngineStepError)
             self._fail_inbox(exc)
             return
         engine.fail_all("the engine stopped before finishing the request")

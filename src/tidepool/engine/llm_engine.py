@@ -64,6 +64,11 @@ class EngineStepError(RuntimeError):
     """The engine step that computed one of this caller's requests raised (the cause is chained)."""
 
 
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down or has stopped: no new requests are taken, and requests it
+    stops before their end fail with this (the server answers 503: try again elsewhere)."""
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """What one engine step did (the driver's step result; handed to the server's metrics)."""
@@ -147,9 +152,9 @@ class LLMEngine:
         self.output_processor.abort_request(request_id)
         return True
 
-    def fail_all(self, why: str) -> None:
+    def fail_all(self, why: str, error_type: type[RuntimeError] = EngineClosedError) -> None:
         """Fail every caller with unfinished requests (the engine stops) and abort them."""
-        self._fail_sinks(dict.fromkeys(self._sink_of.values()), why, None)
+        self._fail_sinks(dict.fromkeys(self._sink_of.values()), why, None, error_type)
 
     # ------------------------------------------------------------------ step
 
@@ -212,13 +217,17 @@ class LLMEngine:
         return num_finished
 
     def _fail_sinks(
-        self, sinks: dict[OutputSink[Any], None], why: str, cause: BaseException | None
+        self,
+        sinks: dict[OutputSink[Any], None],
+        why: str,
+        cause: BaseException | None,
+        error_type: type[RuntimeError] = EngineStepError,
     ) -> None:
         # A caller's other requests are useless once one failed: abort them too.
         for request_id in [r for r, sink in self._sink_of.items() if sink in sinks]:
             self.abort_request(request_id)
         for sink in sinks:
-            error = EngineStepError(why)
+            error = error_type(why)
             error.__cause__ = cause
             sink.fail(error)
 
