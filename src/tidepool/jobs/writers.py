@@ -220,6 +220,8 @@ class NpyWriter:
         self.partial = sibling(path, ".partial")
         self.progress_path = sibling(path, ".progress")
         self.array: np.memmap | None = None
+        self.complete = False
+        """OUTPUT was found whole: finish() has nothing left to do."""
         self.rows_done = self._resume()
 
     def _resume(self) -> int:
@@ -229,6 +231,7 @@ class NpyWriter:
             self.partial.unlink(missing_ok=True)
             if self.path.exists():  # finished earlier (it only appears complete)
                 self._check_finished()
+                self.complete = True
                 return self.num_rows
             return 0
         if progress["num_rows"] != self.num_rows:
@@ -239,6 +242,7 @@ class NpyWriter:
         if not self.partial.exists() and self.path.exists():  # killed while finishing
             self._check_finished()
             self.progress_path.unlink()
+            self.complete = True
             return self.num_rows
         if progress["dim"] is not None:
             self.array = self._open_partial(progress["dim"])
@@ -286,7 +290,8 @@ class NpyWriter:
             self.array[: chunk.start] = np.nan  # rows before: all bad
         if self.array is not None:
             block = np.full((chunk.stop - chunk.start, self.array.shape[1]), np.nan, np.float32)
-            block[[row.index - chunk.start for row in chunk.rows]] = chunk.embeddings
+            if chunk.rows:
+                block[[row.index - chunk.start for row in chunk.rows]] = chunk.embeddings
             middle = chunk.start + len(block) // 2
             self.array[chunk.start : middle] = block[: middle - chunk.start]
             self.array.flush()
@@ -300,6 +305,8 @@ class NpyWriter:
         self.rows_done = chunk.stop
 
     def finish(self) -> None:
+        if self.complete:
+            return
         if self.array is None:  # no row had an embedding: a [num_rows, 0] array says so
             with self.partial.open("wb") as f:
                 np.save(f, np.zeros((self.num_rows, 0), dtype=np.float32))
@@ -328,6 +335,8 @@ class ParquetWriter:
         self.with_ids = id_field is not None
         self.checkpoint = checkpoint
         self.parts_dir = sibling(path, ".parts")
+        self.complete = False
+        """OUTPUT was found whole: finish() has nothing left to do."""
         self.rows_done = self._resume()
 
     def _resume(self) -> int:
@@ -342,6 +351,7 @@ class ParquetWriter:
                     f"{self.path} is complete for {rows_done} rows but the input has "
                     f"{self.num_rows}: pass --overwrite to start again"
                 )
+            self.complete = True
             return rows_done
         if not self.parts_dir.exists():
             return 0
@@ -388,6 +398,8 @@ class ParquetWriter:
     def finish(self) -> None:
         import pyarrow as pa
 
+        if self.complete:
+            return
         parts = self._parts() if self.parts_dir.exists() else []
         schemas = [self.pq.read_schema(part) for part in parts]
         # Parts whose ids were all null have a null id type: unify it with the others'.
