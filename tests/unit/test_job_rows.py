@@ -174,7 +174,9 @@ def test_bad_rows_are_listed_and_skipped_and_good_rows_kept(
         assert np.load(out).shape[0] == len(expected)  # row i is input row i
     reports = [json.loads(line) for line in (tmp_path / f"{out.name}.errors.jsonl").open()]
     assert [(r["index"], r["line"]) for r in reports] == [(i, line) for i, line, _ in bad]
-    assert all(r["error"].startswith(reason) for r, (_, _, reason) in zip(reports, bad))
+    assert all(
+        r["error"].startswith(reason) for r, (_, _, reason) in zip(reports, bad, strict=True)
+    )
     err = capsys.readouterr().err
     assert f"line {bad[0][1]}, row {bad[0][0]}: not valid JSON" in err
     assert f"{len(bad)} bad rows are not in" in err
