@@ -91,8 +91,17 @@ def test_txt_rows_keep_lone_cr_and_drop_crlf(tmp_path: Path) -> None:
     ]
 
 
+def test_a_byte_order_mark_opening_the_file_is_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a"}\r\n\xef\xbb\xbf{"text": "b"}\r\n')
+    first, second = iter_rows(path, "text", None, 0)
+    assert isinstance(first, Row) and first.text == "a"
+    assert isinstance(second, BadRow) and second.error.startswith("not valid JSON")
+
+
 _PIECES = st.sampled_from(
     [b"", b" ", b"\r", b"\xc2\xa0", "\u3000".encode(), b'{"text": "x"}', b'"s"', b"{bad", b"\xff"]
+    + [b"\xef\xbb\xbf"]  # a byte-order mark: dropped where it opens the file only
 )
 
 

@@ -4,10 +4,11 @@ Counting, planning (the Ray job's shards) and reading all go through `iter_row_l
 index means the same thing everywhere:
 
 - A **line** ends at a `\\n` byte (or at the end of the file); one `\\r` before it is dropped
-  (CRLF files). A lone `\\r` is *not* a line break: it stays inside the line. Splitting on bytes
-  (not `str.splitlines`, which also breaks at `\\r`, `\\x0b`, `\\x1c`-`\\x1e`, `\\x85`, `\\u2028`,
-  `\\u2029`) keeps valid JSON lines whole (JSON may hold a raw `\\u2028`), matches `wc -l`, an
-  editor's line numbers and the byte ranges the Ray job plans.
+  (CRLF files), and so is a UTF-8 byte-order mark opening the file. A lone `\\r` is *not* a
+  line break: it stays inside the line. Splitting on bytes (not `str.splitlines`, which also
+  breaks at `\\r`, `\\x0b`, `\\x1c`-`\\x1e`, `\\x85`, `\\u2028`, `\\u2029`) keeps valid JSON lines
+  whole (JSON may hold a raw `\\u2028`), matches `wc -l`, an editor's line numbers and the byte
+  ranges the Ray job plans.
 - A line is **blank** when it is empty or holds only whitespace (`str.isspace`: Unicode
   whitespace such as `\\xa0` or `\\u3000` too). A blank line is not a row: it has no index and
   is never reported.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 _READ_BLOCK_BYTES = 1 << 24
+_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +86,15 @@ def iter_lines(stream: BinaryIO, first_number: int = 1, first_byte: int = 0) -> 
         pieces = (tail + block).split(b"\n")
         tail = pieces.pop()  # an unfinished line (b"" when the block ends with a newline)
         for piece in pieces:
-            yield Line(number, offset, offset + len(piece) + 1, _strip_cr(piece))
+            yield Line(number, offset, offset + len(piece) + 1, _content(piece, offset))
             number, offset = number + 1, offset + len(piece) + 1
     if tail:
-        yield Line(number, offset, offset + len(tail), _strip_cr(tail))
+        yield Line(number, offset, offset + len(tail), _content(tail, offset))
 
 
-def _strip_cr(piece: bytes) -> bytes:
+def _content(piece: bytes, offset: int) -> bytes:
+    if offset == 0 and piece.startswith(_BOM):  # a UTF-8 byte-order mark opens the file
+        piece = piece[len(_BOM) :]
     return piece[:-1] if piece.endswith(b"\r") else piece
 
 
