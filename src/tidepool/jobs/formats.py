@@ -13,7 +13,6 @@ from typing import Any
 from tidepool.jobs.rows import AnyRow, count_line_rows, iter_row_lines, make_row, parse_line
 
 INPUT_FORMATS = (".txt", ".jsonl", ".parquet")
-OUTPUT_FORMATS = (".jsonl", ".parquet", ".npy")
 PARQUET_BATCH_ROWS = 4096
 
 

@@ -162,7 +162,9 @@ def run_embed_job(llm: Any, job: EmbedJob, checkpoint: Checkpoint = no_checkpoin
     start = writer.rows_done
     if start:
         print(f"resuming: {start} of {num_rows} rows are already in {job.output}")
-    num_embedded, first_errors, stopped_at = 0, [], None
+    num_embedded = 0
+    first_errors: list[BadRow] = []
+    stopped_at: BadRow | None = None
     bar = tqdm(total=num_rows, initial=start, unit="row", disable=not job.progress)
     try:
         checkpoint("before_first_chunk")

@@ -26,6 +26,7 @@ class NpyWriter:
         self.rows_done = self._resume()
 
     def _resume(self) -> int:
+        sibling(self.progress_path, ".tmp").unlink(missing_ok=True)  # a replace cut short
         progress = self._read_progress()
         if progress is None:
             # Nothing acknowledged: a partial file holds no row that can be trusted.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from tidepool.jobs.durable import (
     sibling,
     write_atomic,
 )
-from tidepool.jobs.formats import OUTPUT_FORMATS, JobError, check_suffix
+from tidepool.jobs.formats import JobError, check_suffix
 from tidepool.jobs.npy_writer import NpyWriter
 from tidepool.jobs.parquet_writer import ParquetWriter
 from tidepool.jobs.rows import BadRow
@@ -172,6 +173,19 @@ def errors_path(output: Path) -> Path:
     return sibling(output, ".errors.jsonl")
 
 
+WriterFactory = Callable[[Path, int, str | None, Checkpoint], Writer]
+
+WRITERS: dict[str, WriterFactory] = {
+    ".jsonl": lambda path, num_rows, id_field, checkpoint: JsonlWriter(path, checkpoint),
+    ".npy": lambda path, num_rows, id_field, checkpoint: NpyWriter(path, num_rows, checkpoint),
+    ".parquet": ParquetWriter,
+}
+"""Output suffix → its writer (path, input rows, --id-field, checkpoint)."""
+
+LEFTOVERS = ("", ".partial", ".progress", ".progress.tmp", ".tmp", ".errors.jsonl")
+"""What a job may leave next to OUTPUT (OUTPUT itself included): --overwrite removes them."""
+
+
 def open_writer(
     path: Path,
     num_rows: int,
@@ -180,13 +194,10 @@ def open_writer(
     id_field: str | None,
     checkpoint: Checkpoint = no_checkpoint,
 ) -> Writer:
-    suffix = check_suffix(path, OUTPUT_FORMATS, "output")
+    """The writer of `path`, resumed from what is on disk (or emptied first with `overwrite`)."""
+    suffix = check_suffix(path, tuple(WRITERS), "output")
     if overwrite:
-        for suffix_of_leftover in ("", ".partial", ".progress", ".tmp", ".errors.jsonl"):
-            sibling(path, suffix_of_leftover).unlink(missing_ok=True)
+        for leftover in LEFTOVERS:
+            sibling(path, leftover).unlink(missing_ok=True)
         shutil.rmtree(sibling(path, ".parts"), ignore_errors=True)
-    if suffix == ".jsonl":
-        return JsonlWriter(path, checkpoint)
-    if suffix == ".npy":
-        return NpyWriter(path, num_rows, checkpoint)
-    return ParquetWriter(path, num_rows, id_field, checkpoint)
+    return WRITERS[suffix](path, num_rows, id_field, checkpoint)
