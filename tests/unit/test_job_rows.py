@@ -220,3 +220,20 @@ def test_rows_the_engine_refuses_are_bad_rows_too(tmp_path: Path, engine, capsys
     assert main(args) == 1
     assert "line 2, row 1:" in capsys.readouterr().err
     assert _read(out)[0] == [0, 2]
+
+
+def test_jobs_never_import_the_entry_points() -> None:
+    """jobs/ takes an engine (or a model name for Ray's actors); the CLI above builds it."""
+    import ast
+
+    import tidepool.jobs
+
+    for path in Path(tidepool.jobs.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                assert not name.startswith("tidepool.entrypoints"), (path.name, name)
