@@ -314,7 +314,7 @@ def cmd_embed_ray(args: argparse.Namespace, model: str, engine_kwargs: dict[str,
     except ImportError:
         print("error: --ray needs Ray: pip install 'tidepool[ray]'", file=sys.stderr)
         return 2
-    from tidepool.entrypoints.llm import build_engine_config
+    from tidepool.engine.args import build_engine_config
     from tidepool.jobs.formats import JobError
     from tidepool.jobs.plan import RayEmbedJob
     from tidepool.jobs.ray_runner import run_ray_embed_job
