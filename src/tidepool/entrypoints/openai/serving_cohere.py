@@ -12,6 +12,7 @@ from tidepool.entrypoints.openai.encodings import encode_values, needs_ranges
 from tidepool.entrypoints.openai.errors import ApiError
 from tidepool.entrypoints.openai.inputs import parse_texts
 from tidepool.entrypoints.openai.serving import OpenAIServing
+from tidepool.quantize import ENCODINGS
 
 # Cohere's `truncate` → (cut a long text to the budget, PoolingParams.truncation_side).
 _TRUNCATION = {"END": (True, "right"), "START": (True, "left"), "NONE": (False, "right")}
@@ -60,7 +61,7 @@ class CohereServing:
         serving.check_count(len(texts), "texts")
         types = list(dict.fromkeys(req.embedding_types or ["float"]))
         ranges = None
-        if any(needs_ranges(t) for t in types):
+        if any(t in ENCODINGS and needs_ranges(t) for t in types):
             ranges = await serving.ranges_for("int8", "embedding_types")
         truncate_prompt_tokens, side = self._truncation(req)
         params = serving._params(
