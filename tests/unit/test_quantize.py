@@ -104,3 +104,11 @@ def test_scalar_quantization_needs_ranges(tmp_path) -> None:
         load_ranges(path)
     np.save(path, np.stack([-np.ones(8), np.ones(8)]))
     assert load_ranges(path).shape == (2, 8)
+
+
+def test_protocol_names_the_same_dtypes() -> None:
+    from typing import get_args
+
+    from tidepool.entrypoints.openai import protocol
+
+    assert set(get_args(protocol.EmbedDType)) == set(EMBED_DTYPES)
