@@ -125,7 +125,9 @@ def test_predict(clients, tiny_llm) -> None:
     pairs = http.post("/predict", json={"inputs": [TEXTS[:2], TEXTS[1:]]}).json()
     assert len(pairs) == 2 and [p["label"] for p in pairs[0]] == [p["label"] for p in pair]
     assert np.allclose([p["score"] for p in pairs[0]], [p["score"] for p in pair], atol=1e-6)
-    assert not np.allclose([p["score"] for p in pairs[0]], [p["score"] for p in pairs[1]], atol=1e-4)
+    assert not np.allclose(
+        [p["score"] for p in pairs[0]], [p["score"] for p in pairs[1]], atol=1e-4
+    )
     raw = http.post("/predict", json={"inputs": TEXTS[0], "raw_scores": True}).json()
     assert not np.isclose(sum(p["score"] for p in raw), 1.0)
 

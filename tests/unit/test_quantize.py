@@ -45,7 +45,9 @@ def test_equal_to_sentence_transformers(precision, vectors, calibration) -> None
     assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
     ranges = calibration_ranges(calibration)
     with_ranges = quantize_embeddings(torch.from_numpy(vectors), precision, ranges=ranges)
-    assert np.array_equal(with_ranges, st_quantization.quantize_embeddings(vectors, precision, ranges))
+    assert np.array_equal(
+        with_ranges, st_quantization.quantize_embeddings(vectors, precision, ranges)
+    )
     # One row at a time (the server's way) gives the same rows.
     rows = [quantize_embeddings(v, precision, ranges=ranges) for v in vectors]
     assert np.array_equal(np.stack(rows), theirs)

@@ -127,7 +127,9 @@ class EmbeddingRequest(OpenAIBaseModel):
 class EmbeddingResponseData(OpenAIBaseModel):
     index: int
     object: Literal["embedding"] = "embedding"
-    embedding: list[float] | list[int] | str
+    embedding: list[Any] | str
+    """Floats (integers for the quantized embed dtypes), or base64; `Any` items: no per-value
+    validation of what the server itself built."""
 
 
 class EmbeddingResponse(_ListResponse):
