@@ -238,3 +238,16 @@ def test_fuzz_never_5xx(clients, case) -> None:
         assert set(answer.json()) == TEI_ERROR_KEYS
     else:
         assert isinstance(answer.json(), list)
+
+
+def test_cli_flags_reach_the_server_args() -> None:
+    from tidepool.entrypoints.cli import build_parser
+    from tidepool.entrypoints.openai.server import ServerArgs
+
+    argv = ["serve", "m", "--api-style", "tei", "--embedding-calibration", "ranges.npy"]
+    args = ServerArgs.from_namespace(build_parser().parse_args(argv))
+    assert (args.api_style, args.embedding_calibration) == ("tei", "ranges.npy")
+    defaults = ServerArgs.from_namespace(build_parser().parse_args(["serve"]))
+    assert (defaults.api_style, defaults.embedding_calibration) == ("openai", None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--api-style", "cohere"])
