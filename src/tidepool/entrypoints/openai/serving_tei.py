@@ -149,20 +149,15 @@ class TeiServing:
         params = self.serving._params(
             "inputs", task="classify", activation=not req.raw_scores, **_truncation(req)
         )
-        singles = [i for i, item in enumerate(items) if isinstance(item, str)]
-        pairs = [i for i, item in enumerate(items) if not isinstance(item, str)]
+        texts = {i: item for i, item in enumerate(items) if isinstance(item, str)}
+        pairs = {i: item for i, item in enumerate(items) if not isinstance(item, str)}
         outputs: dict[int, PoolingRequestOutput] = {}
-        if singles:
-            done = await self.serving._run(
-                self.engine.encode([items[i] for i in singles], [params] * len(singles)), "inputs"
-            )
-            outputs.update(zip(singles, done, strict=True))
+        if texts:
+            work = self.engine.encode(list(texts.values()), [params] * len(texts))
+            outputs.update(zip(texts, await self.serving._run(work, "inputs"), strict=True))
         if pairs:
-            done = await self.serving._run(
-                self.engine.encode_pairs([items[i] for i in pairs], [params] * len(pairs)),
-                "inputs",  # type: ignore[misc]
-            )
-            outputs.update(zip(pairs, done, strict=True))
+            work = self.engine.encode_pairs(list(pairs.values()), [params] * len(pairs))
+            outputs.update(zip(pairs, await self.serving._run(work, "inputs"), strict=True))
         predictions = [self._labels(outputs[i]) for i in range(len(items))]
         return predictions if batch else predictions[0]
 
