@@ -297,3 +297,20 @@ def test_cohere_fuzz_never_5xx(http, body) -> None:
             "ubinary",
             "base64",
         }
+
+
+def test_input_type_picks_the_models_prompt() -> None:
+    from types import SimpleNamespace
+
+    from tidepool.entrypoints.openai.serving_cohere import _PROMPT_NAMES, model_prompt
+
+    def serving(prompts: dict[str, str], default: str | None = None):
+        st_config = SimpleNamespace(prompts=prompts, default_prompt_name=default)
+        return SimpleNamespace(model_config=SimpleNamespace(st=st_config))
+
+    e5 = serving({"query": "query: ", "passage": "passage: "})
+    assert model_prompt(e5, _PROMPT_NAMES["search_query"]) == "query: "
+    assert model_prompt(e5, _PROMPT_NAMES["search_document"]) == "passage: "
+    assert model_prompt(e5, _PROMPT_NAMES["clustering"]) == ""
+    # A default prompt is the input processor's to add: no second prompt.
+    assert model_prompt(serving({"query": "q: "}, default="query"), ("query",)) == ""
