@@ -67,7 +67,8 @@ class EmbeddingCalibration:
             )
         async with self._lock:
             if self._ranges is None:
-                params = [PoolingParams(task="embed")] * len(self._texts)
+                # A long line is cut to the model's length rather than failing every request.
+                params = [PoolingParams(task="embed", truncate_prompt_tokens=-1)] * len(self._texts)
                 outputs = await engine.encode(self._texts, params)
                 self._ranges = calibration_ranges(torch.stack([o.outputs.data for o in outputs]))
         return self._ranges
@@ -86,9 +87,11 @@ def quantize(
         try:
             check_ranges(ranges, array.shape[-1])
         except ValueError as e:
-            raise ApiError(
-                400, f"{param}: {e} (" + NO_RANGES_HINT.split(";")[0] + ")", param
-            ) from e
+            message = (
+                f"{param}: {e}; int8 and uint8 quantize the model's full-size embeddings with "
+                "the ranges of --embedding-calibration (no dimensions / output_dimension)"
+            )
+            raise ApiError(400, message, param) from e
     return quantize_embeddings(array, embed_dtype, ranges=ranges)  # type: ignore[arg-type]
 
 
