@@ -223,11 +223,7 @@ class InputProcessor:
                 except ValueError as e:
                     results[i] = RequestError(i, str(e))
                     continue
-                ids = (
-                    p.token_ids
-                    if max_len is None
-                    else _keep(p.token_ids, max_len, params[i].truncation_side)
-                )
+                ids = _keep(p.token_ids, max_len, params[i].truncation_side)
                 results[i] = self._make(i, ids, None, params[i])
             elif isinstance(budget := self._budget(params[i], pair=False), str):
                 results[i] = RequestError(i, budget)
@@ -256,11 +252,8 @@ class InputProcessor:
                 num_tokens = first.num_tokens + self._num_special
                 message = self._too_long("the prompt", num_tokens, first.num_chars_read, len(text))
                 return RequestError(index, message)
-        ids = (
-            _keep(first.token_ids, budget.num_tokens, params.truncation_side)
-            if budget.truncate
-            else first.token_ids
-        )
+        num_kept = budget.num_tokens if budget.truncate else None
+        ids = _keep(first.token_ids, num_kept, params.truncation_side)
         ids, types = self._prefix_tokenizer.with_special_tokens(ids)
         return self._make(index, ids, types if self.keep_token_types else None, params)
 
@@ -484,8 +477,10 @@ def _keeps_last(budget: _Budget, params: PoolingParams) -> bool:
     return budget.truncate and params.truncation_side == "left"
 
 
-def _keep(token_ids: list[int], num_tokens: int, side: str) -> list[int]:
-    """The first `num_tokens` ids ("right": the end is cut), or the last ("left")."""
+def _keep(token_ids: list[int], num_tokens: int | None, side: str) -> list[int]:
+    """The first `num_tokens` ids ("right": the end is cut), or the last ("left"); None = all."""
+    if num_tokens is None:
+        return token_ids
     if side == "left":
         return token_ids[max(len(token_ids) - num_tokens, 0) :]
     return token_ids[:num_tokens]
