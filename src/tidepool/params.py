@@ -25,8 +25,15 @@ class PoolingParams:
     """Classify / score: apply softmax (sigmoid for one label). None = yes."""
     truncate_prompt_tokens: int | None = None
     """Keep at most this many tokens (special tokens included); -1 = the model's max length."""
+    truncation_side: Literal["right", "left"] = "right"
+    """Which end of a text `truncate_prompt_tokens` keeps: "right" cuts the end (keeps the first
+    tokens), "left" cuts the start (keeps the last; Cohere's truncate=START, TEI's Left)."""
 
     def __post_init__(self) -> None:
+        if self.truncation_side not in ("right", "left"):
+            raise ValueError(
+                f"truncation_side must be 'right' or 'left', got {self.truncation_side!r}"
+            )
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"unknown pooling task {self.task!r}; expected one of {POOLING_TASKS}")
         if self.dimensions is not None:
@@ -48,6 +55,7 @@ class PoolingParams:
             normalize=self.normalize,
             activation=self.activation,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side,
         )
 
 

@@ -26,6 +26,9 @@ from pydantic import (
     StrictStr,
 )
 
+EmbedDType = Literal["float32", "float16", "bfloat16", "int8", "uint8", "binary", "ubinary"]
+"""tidepool.quantize's names (the protocol imports no engine code)."""
+
 # Strict request field types (what the docs promise a 422 for). Python's json module reads NaN
 # and Infinity, which no sampling or pooling value can mean.
 Int = StrictInt
@@ -114,12 +117,19 @@ class EmbeddingRequest(OpenAIBaseModel):
     """Keep the first N tokens of each input; -1 = the model's maximum (vLLM extension)."""
     normalize: Bool | None = None
     """L2-normalize (vLLM extension); None = what the model's configuration says."""
+    embed_dtype: EmbedDType = "float32"
+    """The values' type (vLLM's field; int8 / uint8 / binary / ubinary are sentence-transformers'
+    quantized precisions, a tidepool extension): docs/server.md, "Output encodings"."""
+    endianness: Literal["native", "little", "big"] = "native"
+    """Byte order of base64 values (vLLM's field); native = the server's (little on x86, ARM)."""
 
 
 class EmbeddingResponseData(OpenAIBaseModel):
     index: int
     object: Literal["embedding"] = "embedding"
-    embedding: list[float] | str
+    embedding: list[Any] | str
+    """Floats (integers for the quantized embed dtypes), or base64; `Any` items: no per-value
+    validation of what the server itself built."""
 
 
 class EmbeddingResponse(_ListResponse):
@@ -172,10 +182,17 @@ class ClassificationResponse(_ListResponse):
 
 
 class ScoreRequest(OpenAIBaseModel):
+    """One pair of fields, as vLLM takes them: `queries` / `documents` (vLLM's current body),
+    `text_1` / `text_2` or `data_1` / `data_2`."""
+
     model: Str | None = None
-    text_1: Any
+    text_1: Any = None
     """A string or a list of strings: 1-to-N against text_2 with one item, else N-to-N."""
-    text_2: Any
+    text_2: Any = None
+    queries: Any = None
+    documents: Any = None
+    data_1: Any = None
+    data_2: Any = None
     truncate_prompt_tokens: Int | None = None
     activation: Bool | None = None
 

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 import tidepool
 from tidepool.engine.async_engine import AsyncEngine
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai.encodings import EmbeddingCalibration
 from tidepool.entrypoints.openai.errors import (
     MAPPED_ERRORS,
     ServerState,
@@ -43,6 +44,7 @@ from tidepool.entrypoints.openai.middleware import (
     JsonBodyMiddleware,
     MetricsMiddleware,
 )
+from tidepool.entrypoints.openai.routes_compat import add_compat_routes
 from tidepool.entrypoints.openai.serving import OpenAIServing, ServingLimits
 from tidepool.entrypoints.openai.serving_generate import OpenAIServingGeneration
 from tidepool.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
@@ -64,6 +66,10 @@ class ServerArgs:
     """More inputs (texts, documents, pairs) in one request → 413."""
     shutdown_timeout_s: float = 30.0
     """How long shutdown waits for in-flight requests to finish."""
+    embedding_calibration: str | None = None
+    """int8 / uint8 ranges: a .npy [2, dim], or a file of texts, one per line (encodings.py)."""
+    api_style: str = "openai"
+    """"tei": TEI's /rerank and /tokenize take those paths from vLLM's (routes_compat.py)."""
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -124,7 +130,8 @@ def build_app(engine: AsyncEngine, args: ServerArgs | argparse.Namespace | None 
     args = args or ServerArgs()
     names = list(args.served_model_name or [engine.model_config.model])
     state = ServerState()
-    serving = OpenAIServing(engine, names, ServingLimits(args.max_inputs_per_request))
+    calibration = EmbeddingCalibration(args.embedding_calibration)
+    serving = OpenAIServing(engine, names, ServingLimits(args.max_inputs_per_request), calibration)
     tokenization = OpenAIServingTokenization(serving)
     metrics = ServerMetrics(engine)
     engine.add_step_listener(metrics.on_step)
@@ -142,6 +149,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs | argparse.Namespace | None 
     app.state.serving = serving
     app.state.metrics = metrics
     _add_exception_handlers(app, state)
+    add_compat_routes(app, serving, args.api_style, serve_until_disconnect)  # first: see there
     _add_routes(app, serving, tokenization, metrics)
     _add_generation_routes(app, generation)
     known_paths = {getattr(r, "path", "") for r in app.routes}

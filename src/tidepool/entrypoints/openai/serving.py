@@ -8,12 +8,11 @@ server.py only call these methods and serialize the result.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
+import numpy as np
 
 from tidepool.engine.async_engine import AsyncEngine
 from tidepool.engine.pooling import (
@@ -24,6 +23,11 @@ from tidepool.engine.pooling import (
     plan_embedding_scores,
 )
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai.encodings import (
+    EmbeddingCalibration,
+    encode_values,
+    needs_ranges,
+)
 from tidepool.entrypoints.openai.errors import ApiError
 from tidepool.entrypoints.openai.inputs import (
     check_text,
@@ -46,15 +50,6 @@ class ServingLimits:
 # ---------------------------------------------------------------------- output helpers
 
 
-def encode_floats(values: torch.Tensor, encoding_format: str) -> list[Any] | str:
-    """float → nested lists; base64 → little-endian float32 bytes, as OpenAI encodes them."""
-    if encoding_format == "base64":
-        raw = values.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
-        return base64.b64encode(raw.tobytes()).decode("ascii")
-    listed = values.tolist()
-    return listed if isinstance(listed, list) else [listed]
-
-
 def _usage(outputs: list[PoolingRequestOutput]) -> p.UsageInfo:
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return p.UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
@@ -69,11 +64,13 @@ class OpenAIServing:
         engine: AsyncEngine,
         served_model_names: list[str],
         limits: ServingLimits | None = None,
+        calibration: EmbeddingCalibration | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits or ServingLimits()
         self.model_config = engine.model_config
+        self.calibration = calibration or EmbeddingCalibration(None)
 
     # ------------------------------------------------------------------ checks
 
@@ -134,9 +131,16 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ embeddings / pooling
 
+    async def ranges_for(self, embed_dtype: str, param: str) -> np.ndarray | None:
+        """The int8 / uint8 calibration ranges (None for the other dtypes); 400 when none."""
+        if not needs_ranges(embed_dtype):
+            return None
+        return await self.calibration.ranges(self.engine, param)
+
     async def embed(self, req: p.EmbeddingRequest) -> p.EmbeddingResponse:
         model = self.model_name(req.model)
         self._check_task("embed", "Embeddings")
+        ranges = await self.ranges_for(req.embed_dtype, "embed_dtype")
         outputs = await self._encode_input(
             req.input,
             task="embed",
@@ -146,7 +150,10 @@ class OpenAIServing:
         )
         data = [
             p.EmbeddingResponseData(
-                index=i, embedding=encode_floats(o.outputs.data, req.encoding_format)
+                index=i,
+                embedding=encode_values(
+                    o.outputs.data, req.encoding_format, req.embed_dtype, ranges, req.endianness
+                ),
             )
             for i, o in enumerate(outputs)
         ]
@@ -156,6 +163,7 @@ class OpenAIServing:
         model = self.model_name(req.model)
         task = req.task or self._default_task()
         self._check_task(task, f"Pooling (task={task})")
+        ranges = await self.ranges_for(req.embed_dtype, "embed_dtype")
         outputs = await self._encode_input(
             req.input,
             task=task,
@@ -165,7 +173,12 @@ class OpenAIServing:
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         data = [
-            p.PoolingResponseData(index=i, data=encode_floats(o.outputs.data, req.encoding_format))
+            p.PoolingResponseData(
+                index=i,
+                data=encode_values(
+                    o.outputs.data, req.encoding_format, req.embed_dtype, ranges, req.endianness
+                ),
+            )
             for i, o in enumerate(outputs)
         ]
         return p.PoolingResponse(model=model, data=data, usage=_usage(outputs))
@@ -196,15 +209,16 @@ class OpenAIServing:
 
     async def score(self, req: p.ScoreRequest) -> p.ScoreResponse:
         model = self.model_name(req.model)
-        first = parse_texts(req.text_1, "text_1")
-        second = parse_texts(req.text_2, "text_2")
+        names = _score_fields(req)
+        first = parse_texts(getattr(req, names[0]), names[0])
+        second = parse_texts(getattr(req, names[1]), names[1])
         try:
-            pairs = expand_score_pairs(first, second, ("text_1", "text_2"))
+            pairs = expand_score_pairs(first, second, names)
         except ValueError as e:
-            raise ApiError(400, str(e), "text_1") from e
-        self.check_count(len(second), "text_2")
+            raise ApiError(400, str(e), names[0]) from e
+        self.check_count(len(second), names[1])
         scores, num_tokens = await self._score_pairs(
-            pairs, req.truncate_prompt_tokens, req.activation
+            pairs, req.truncate_prompt_tokens, req.activation, param=names[1]
         )
         data = [p.ScoreResponseData(index=i, score=s) for i, s in enumerate(scores)]
         usage = p.UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
@@ -247,6 +261,7 @@ class OpenAIServing:
         truncate_prompt_tokens: int | None,
         activation: bool | None,
         param: str = "text_2",
+        truncation_side: str = "right",
     ) -> tuple[list[float], int]:
         """A cross-encoder reads each pair; an embedding model scores the cosine (as vLLM)."""
         if "score" in self.engine.supported_tasks:
@@ -255,6 +270,7 @@ class OpenAIServing:
                 task="score",
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 activation=activation,
+                truncation_side=truncation_side,
             )
             outputs = await self._run(self.engine.encode_pairs(pairs, [params] * len(pairs)), param)
             scores = [cross_encoder_score(o.outputs.data) for o in outputs]
@@ -267,13 +283,22 @@ class OpenAIServing:
                 f"{labels if self.model_config.task == 'classify' else ''} (scoring needs a "
                 "cross-encoder with one label or an embedding model)",
             )
-        return await self._score_by_embedding(pairs, truncate_prompt_tokens, param)
+        return await self._score_by_embedding(pairs, truncate_prompt_tokens, param, truncation_side)
 
     async def _score_by_embedding(
-        self, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None, param: str
+        self,
+        pairs: list[tuple[str, str]],
+        truncate_prompt_tokens: int | None,
+        param: str,
+        truncation_side: str,
     ) -> tuple[list[float], int]:
         plan = plan_embedding_scores(pairs)
-        params = self._params(param, task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+        params = self._params(
+            param,
+            task="embed",
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
         try:
             outputs = await self.engine.encode(plan.texts, [params] * len(plan.texts))
         except BatchInputError as e:
@@ -308,6 +333,22 @@ class OpenAIServing:
                 "model",
             )
         return name
+
+
+_SCORE_FIELDS = (("queries", "documents"), ("text_1", "text_2"), ("data_1", "data_2"))
+
+
+def _score_fields(req: p.ScoreRequest) -> tuple[str, str]:
+    """The one pair of fields a /score body uses; 400 for none, half a pair, or two pairs."""
+    given = [pair for pair in _SCORE_FIELDS if any(getattr(req, f) is not None for f in pair)]
+    if len(given) != 1:
+        names = " or ".join(f"{a} / {b}" for a, b in _SCORE_FIELDS)
+        what = "none" if not given else " and ".join(f"{a} / {b}" for a, b in given)
+        raise ApiError(400, f"/score takes one pair of fields, {names}; got {what}", None)
+    for name in given[0]:
+        if getattr(req, name) is None:
+            raise ApiError(400, f"{name} is missing (it goes with {' / '.join(given[0])})", name)
+    return given[0]
 
 
 def _field_of(message: str, default: str) -> str:
