@@ -45,3 +45,15 @@ def apply_openmp_defaults() -> bool:
         return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return os.environ["OMP_WAIT_POLICY"].upper() == "PASSIVE"
+
+
+def onednn_cache_capacity() -> int | None:
+    """TIDEPOOL_ONEDNN_CACHE_CAPACITY: entries in each of oneDNN's shape-keyed primitive caches,
+    and with it the heap trimming after steps (worker/memory.py); default 256. "torch" leaves
+    torch's own 1,024 and no trimming: memory then grows with every new step shape."""
+    value = (os.environ.get("TIDEPOOL_ONEDNN_CACHE_CAPACITY") or "256").lower()
+    if value == "torch":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"TIDEPOOL_ONEDNN_CACHE_CAPACITY must be a count or torch, got {value!r}")
+    return int(value)
