@@ -49,6 +49,12 @@ class SoakRequest:
     bad: str | None
     """Which bad input it carries (one of BAD_KINDS), or None for a good request."""
 
+    @property
+    def truncate_prompt_tokens(self) -> int | None:
+        """Good requests truncate to max_model_len (300 words can exceed it); bad ones do not,
+        so that a too-long text is refused."""
+        return -1 if self.bad is None else None
+
 
 def make_request(rng: random.Random, bad_fraction: float = 0.1) -> SoakRequest:
     """1-64 texts of 1-300 words; with probability bad_fraction one of them is bad."""
@@ -116,7 +122,9 @@ def run_offline(args: argparse.Namespace) -> RssCurve:
     for i in range(args.requests):
         request = make_request(rng)
         try:
-            llm.embed(request.texts, use_tqdm=False)
+            llm.embed(
+                request.texts, truncate_prompt_tokens=request.truncate_prompt_tokens, use_tqdm=False
+            )
             curve.num_ok += request.bad is None
             curve.num_unexpected += request.bad is not None
         except (ValueError, TypeError):
@@ -139,7 +147,12 @@ async def _client(client, url: str, queue: asyncio.Queue, curve: RssCurve, deadl
         except asyncio.QueueEmpty:
             return
         response = await client.post(
-            f"{url}/v1/embeddings", json={"model": MODEL, "input": request.texts}
+            f"{url}/v1/embeddings",
+            json={
+                "model": MODEL,
+                "input": request.texts,
+                "truncate_prompt_tokens": request.truncate_prompt_tokens,
+            },
         )
         if response.status_code == 200 and request.bad is None:
             curve.num_ok += 1

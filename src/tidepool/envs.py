@@ -47,13 +47,17 @@ def apply_openmp_defaults() -> bool:
     return os.environ["OMP_WAIT_POLICY"].upper() == "PASSIVE"
 
 
-def onednn_cache_capacity() -> int | None:
-    """TIDEPOOL_ONEDNN_CACHE_CAPACITY: entries in each of oneDNN's shape-keyed primitive caches,
-    and with it the heap trimming after steps (worker/memory.py); default 256. "torch" leaves
-    torch's own 1,024 and no trimming: memory then grows with every new step shape."""
-    value = (os.environ.get("TIDEPOOL_ONEDNN_CACHE_CAPACITY") or "256").lower()
-    if value == "torch":
-        return None
+def onednn_cache_capacity() -> int | str:
+    """TIDEPOOL_ONEDNN_CACHE_CAPACITY: entries in each of oneDNN's shape-keyed primitive caches
+    (worker/memory.py). "auto" (default): 256 for float32 models, torch's 1,024 for bfloat16 /
+    float16 (their AMX primitives take milliseconds to build), with the heap trimmed after
+    steps; a count: that many, trimmed; "torch": torch's 1,024 and no trimming (memory then
+    grows with every new step shape)."""
+    value = (os.environ.get("TIDEPOOL_ONEDNN_CACHE_CAPACITY") or "auto").lower()
+    if value in ("auto", "torch"):
+        return value
     if not value.isdigit():
-        raise ValueError(f"TIDEPOOL_ONEDNN_CACHE_CAPACITY must be a count or torch, got {value!r}")
+        raise ValueError(
+            f"TIDEPOOL_ONEDNN_CACHE_CAPACITY must be auto, torch or a count, got {value!r}"
+        )
     return int(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from tidepool import envs
 from tidepool.worker import memory
@@ -14,16 +15,18 @@ from tidepool.worker.memory import CACHE_CAPACITY_VARIABLES, TRIM_INTERVAL_S, Na
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in (*CACHE_CAPACITY_VARIABLES, "TIDEPOOL_ONEDNN_CACHE_CAPACITY", "LD_PRELOAD"):
-        monkeypatch.delenv(name, raising=False)
+        # setenv first, so that the undo also removes what NativeMemory.start sets.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
 def test_capacity_variable(clean_env):
-    assert envs.onednn_cache_capacity() == 256
+    assert envs.onednn_cache_capacity() == "auto"
     clean_env.setenv("TIDEPOOL_ONEDNN_CACHE_CAPACITY", "64")
     assert envs.onednn_cache_capacity() == 64
     clean_env.setenv("TIDEPOOL_ONEDNN_CACHE_CAPACITY", "Torch")
-    assert envs.onednn_cache_capacity() is None
+    assert envs.onednn_cache_capacity() == "torch"
     clean_env.setenv("TIDEPOOL_ONEDNN_CACHE_CAPACITY", "-1")
     with pytest.raises(ValueError, match="TIDEPOOL_ONEDNN_CACHE_CAPACITY"):
         envs.onednn_cache_capacity()
@@ -31,15 +34,23 @@ def test_capacity_variable(clean_env):
 
 def test_start_caps_both_caches_and_keeps_the_users_choice(clean_env):
     clean_env.setenv("LRU_CACHE_CAPACITY", "17")
-    native = NativeMemory.start()
+    native = NativeMemory.start(torch.float32)
     assert native.policy.cache_capacity == 256
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
     assert os.environ["LRU_CACHE_CAPACITY"] == "17"
 
 
+def test_auto_capacity_follows_the_dtype(clean_env):
+    assert NativeMemory.start(torch.bfloat16).policy.cache_capacity == 1024
+    clean_env.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    clean_env.setenv("TIDEPOOL_ONEDNN_CACHE_CAPACITY", "64")
+    assert NativeMemory.start(torch.bfloat16).policy.cache_capacity == 64
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+
+
 def test_torch_setting_changes_nothing(clean_env):
     clean_env.setenv("TIDEPOOL_ONEDNN_CACHE_CAPACITY", "torch")
-    native = NativeMemory.start()
+    native = NativeMemory.start(torch.float32)
     assert native.policy.cache_capacity is None and not native.policy.trims
     assert not any(name in os.environ for name in CACHE_CAPACITY_VARIABLES)
     assert native.after_step(now=1e12) is False
@@ -48,10 +59,10 @@ def test_torch_setting_changes_nothing(clean_env):
 def test_finds_glibc_malloc_trim_unless_another_allocator_is_preloaded(clean_env):
     if not os.path.exists("/proc/self/maps") or "libc.so.6" not in open("/proc/self/maps").read():
         pytest.skip("not glibc")
-    assert NativeMemory.start().policy.trims
+    assert NativeMemory.start(torch.float32).policy.trims
     assert memory._find_malloc_trim()(0) in (0, 1)
     clean_env.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
-    assert not NativeMemory.start().policy.trims
+    assert not NativeMemory.start(torch.float32).policy.trims
 
 
 def test_after_step_trims_at_most_once_per_interval():

@@ -9,10 +9,12 @@ calls of 1-64 texts; and because these long-lived entries sit among each step's 
 tensors, glibc cannot hand the freed space around them back: RSS 510 MB → 2.5 GB over 300 calls.
 
 Remedy, two parts, both chosen by measurement:
-  * a smaller cap on both caches (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, `LRU_CACHE_CAPACITY`),
-    set before the first oneDNN primitive of the process: the cache's share stays bounded while
-    recent shapes still hit (no cache at all made bfloat16 steps 2-5x slower: building an AMX
-    primitive costs milliseconds);
+  * for float32 models, a cap of 256 entries on both caches (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`,
+    `LRU_CACHE_CAPACITY`), set before the first oneDNN primitive of the process: the in-use heap
+    then stops growing after ~40 calls, and building a float32 primitive is cheap (even no cache
+    at all was not slower). bfloat16 / float16 keep torch's 1,024: an AMX primitive takes
+    milliseconds to build, and no cache made their steps 2-5x slower, a 256 cap ~2x slower on
+    one-text requests of 50 lengths (least-recently-used thrashing);
   * `malloc_trim(0)` after a step, at most once per `TRIM_INTERVAL_S`: glibc then returns the
     free pages inside its heap (5-17 ms per trim, so well under 1% of step time at that rate).
 """
@@ -26,12 +28,18 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from tidepool import envs
 
 logger = logging.getLogger("tidepool")
 
 # The two shape-keyed caches of oneDNN primitives (oneDNN's own, and ideep's inside torch).
 CACHE_CAPACITY_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+# The cap where the model's dtype has no entry: torch's own (see the module docstring).
+DEFAULT_CACHE_CAPACITY = 1024
+CACHE_CAPACITY_BY_DTYPE = {torch.float32: 256}
 
 # Seconds of engine time between two malloc_trim calls (each costs 5-17 ms on a ~1.5 GB heap).
 TRIM_INTERVAL_S = 2.0
@@ -42,7 +50,7 @@ class NativeMemoryPolicy:
     """What `NativeMemory.start` applied to this process."""
 
     cache_capacity: int | None
-    """Entries allowed in each oneDNN primitive cache; None: torch's own default (1,024)."""
+    """Entries asked for each oneDNN primitive cache; None: left to torch (1,024, untrimmed)."""
     trims: bool
     """Whether steps return glibc's free heap pages (glibc only, and the remedy is on)."""
 
@@ -59,14 +67,19 @@ class NativeMemory:
         """How many times the heap was trimmed (for tests and logs)."""
 
     @classmethod
-    def start(cls) -> NativeMemory:
-        """Apply the policy of TIDEPOOL_ONEDNN_CACHE_CAPACITY: cap oneDNN's caches (unless the
-        user set the variables) and find glibc's malloc_trim. Must run before the process's
+    def start(cls, dtype: torch.dtype) -> NativeMemory:
+        """Apply TIDEPOOL_ONEDNN_CACHE_CAPACITY for a model of `dtype`: cap oneDNN's caches
+        (unless the user set their variables) and find glibc's malloc_trim. Must run before the process's
         first oneDNN primitive (oneDNN reads the capacities once); the runner calls it before
         loading the model, whose weight packing creates the first primitives."""
-        capacity = envs.onednn_cache_capacity()
-        if capacity is None:
+        setting = envs.onednn_cache_capacity()
+        if setting == "torch":
             return cls(NativeMemoryPolicy(cache_capacity=None, trims=False))
+        capacity = (
+            CACHE_CAPACITY_BY_DTYPE.get(dtype, DEFAULT_CACHE_CAPACITY)
+            if setting == "auto"
+            else int(setting)
+        )
         for name in CACHE_CAPACITY_VARIABLES:
             os.environ.setdefault(name, str(capacity))
         malloc_trim = _find_malloc_trim()

@@ -59,7 +59,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         # Before the model loads: its weight packing creates the first oneDNN primitives.
-        self.memory = NativeMemory.start()
+        self.memory = NativeMemory.start(config.model.dtype)
         self.device = config.model.device
         torch.manual_seed(config.model.seed)
         self.model = build_model(config.model)
