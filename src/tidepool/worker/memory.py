@@ -26,6 +26,7 @@ import ctypes.util
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,9 @@ class NativeMemory:
     """The process's native-memory remedy: start it before the model loads, call `after_step`
     after (or before) each step. Both are cheap; `after_step` is one clock read between trims."""
 
-    def __init__(self, policy: NativeMemoryPolicy, malloc_trim=None) -> None:
+    def __init__(
+        self, policy: NativeMemoryPolicy, malloc_trim: Callable[[int], object] | None = None
+    ) -> None:
         self.policy = policy
         self._malloc_trim = malloc_trim
         self._last_trim = time.monotonic()
@@ -100,7 +103,7 @@ class NativeMemory:
         return True
 
 
-def _find_malloc_trim():
+def _find_malloc_trim() -> Callable[[int], object] | None:
     """glibc's malloc_trim, or None elsewhere (musl, macOS, or jemalloc/tcmalloc preloaded:
     those return memory themselves and trimming glibc's unused heap would be wasted work)."""
     if os.environ.get("LD_PRELOAD", "").find("malloc") >= 0:
