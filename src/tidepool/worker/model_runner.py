@@ -27,6 +27,7 @@ from tidepool.models.interfaces import DecoderModel, EncoderModel, LanguageModel
 from tidepool.models.registry import build_model
 from tidepool.params import PoolingParams
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
+from tidepool.worker.memory import NativeMemory
 from tidepool.worker.pooler import Pooler, PoolingMetadata
 from tidepool.worker.sampler import Sampler, SamplingMetadata
 
@@ -60,6 +61,8 @@ def _threads_for_step(num_tokens: int, dtype: torch.dtype, device: torch.device)
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Before the model loads: its weight packing creates the first oneDNN primitives.
+        self.memory = NativeMemory.start(config.model.dtype)
         self.device = config.model.device
         torch.manual_seed(config.model.seed)
         self.model = _check_contract(build_model(config.model), config.model)
@@ -126,6 +129,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        self.memory.after_step()
         if self.kv_cache_config is None:
             num_tokens = sum(r.num_prompt_tokens for r in sched_out.scheduled)
             with _threads_for_step(num_tokens, self.config.model.dtype, self.device):
