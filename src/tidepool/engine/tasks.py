@@ -21,6 +21,8 @@ _NEEDS = {
     "token_embed": "an embedding model",
     "classify": "a model with a classification head",
     "score": "a cross-encoder (a classification head with one label) or an embedding model",
+    "embed_sparse": "a sparse embedding model (SPLADE, BGE-M3)",
+    "token_classify": "a token classification model (*ForTokenClassification) or BGE-M3",
 }
 _KIND = {"embed": "an embedding model", "classify": "a classification model", "generate": "a "
          "generating model"}  # fmt: skip
