@@ -95,9 +95,7 @@ class SparseEmbeddingRequestOutput:
     finished: bool = True
 
     @classmethod
-    def from_base(
-        cls, out: PoolingRequestOutput, tokenizer=None
-    ) -> SparseEmbeddingRequestOutput:
+    def from_base(cls, out: PoolingRequestOutput, tokenizer=None) -> SparseEmbeddingRequestOutput:
         """From an embed_sparse output (a sparse [vocab] tensor); `tokenizer` fills `tokens`."""
         indices, values = sparse_pairs(out.outputs.data)
         tokens = None if tokenizer is None else tokenizer.convert_ids_to_tokens(indices)

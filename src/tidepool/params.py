@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-PoolingTask = Literal[
-    "embed", "classify", "score", "token_embed", "token_classify", "embed_sparse"
-]
+PoolingTask = Literal["embed", "classify", "score", "token_embed", "token_classify", "embed_sparse"]
 POOLING_TASKS: tuple[str, ...] = (
     "embed",
     "classify",

@@ -162,7 +162,10 @@ def _output_head(
         and (path / "colbert_linear.pt").is_file()
     ):
         return _HeadChoice(
-            "embed", "BgeM3EmbeddingModel", "bge_m3", SparseHeadConfig(skip_token_ids=_m3_skip(path))
+            "embed",
+            "BgeM3EmbeddingModel",
+            "bge_m3",
+            SparseHeadConfig(skip_token_ids=_m3_skip(path)),
         )
     return None
 
@@ -195,9 +198,7 @@ def _m3_skip(path: Path) -> tuple[int, ...]:
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     names = ("cls_token", "eos_token", "pad_token", "unk_token")
     tokens = [getattr(tokenizer, name, None) for name in names]
-    return tuple(
-        sorted({int(tokenizer.convert_tokens_to_ids(t)) for t in tokens if t is not None})
-    )
+    return tuple(sorted({int(tokenizer.convert_tokens_to_ids(t)) for t in tokens if t is not None}))
 
 
 def _checkpoint_architecture(hf_config: Any) -> str:
