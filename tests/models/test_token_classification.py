@@ -127,3 +127,41 @@ def test_token_classify_on_a_model_without_the_head_names_the_supported_tasks(
         pooler.check_params(PoolingParams(task="token_classify"))
     with pytest.raises(ValueError, match=message):
         llm.encode(["a text"], pooling_task="token_classify", use_tqdm=False)
+
+
+def test_modernbert_via_the_transformers_backend(tmp_path, minilm_path):
+    """No native ModernBERT: the transformers backend runs its body, and its own head on each
+    token's state."""
+    import transformers as tf
+
+    torch.manual_seed(44)
+    config = tf.ModernBertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=3,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        local_attention=8,
+        global_attn_every_n_layers=3,
+        pad_token_id=0,
+        bos_token_id=101,
+        eos_token_id=102,
+        cls_token_id=101,
+        sep_token_id=102,
+        num_labels=len(LABELS),
+        id2label=LABELS,
+    )
+    model = tf.ModernBertForTokenClassification(config).eval()
+    model.save_pretrained(str(tmp_path))
+    copy_bert_tokenizer(minilm_path, tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32")
+    assert llm.model_config.model_impl == "transformers"
+    outputs = llm.encode(TEXTS, pooling_task="token_classify", use_tqdm=False)
+    for out in outputs:
+        with torch.no_grad():
+            expected = model(input_ids=torch.tensor([out.prompt_token_ids])).logits[0]
+        torch.testing.assert_close(
+            out.outputs.data, torch.softmax(expected, dim=-1), atol=1e-5, rtol=0
+        )
