@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_SIZES, TINY_TEXTS, save_roberta_tokenizer
+from conftest import TINY_TEXTS
+from sparse_models import save_bge_m3
 
 from tidepool import LLM, PoolingParams
 from tidepool.outputs import BatchInputError, sparse_pairs
@@ -47,29 +48,7 @@ def _flag_model_cls():
 
 @pytest.fixture(scope="module")
 def m3_path(tmp_path_factory) -> Path:
-    from transformers import XLMRobertaConfig, XLMRobertaModel
-
-    folder = tmp_path_factory.mktemp("bge_m3")
-    vocab_size = save_roberta_tokenizer(folder, "unigram")
-    torch.manual_seed(15)
-    config = XLMRobertaConfig(
-        vocab_size=vocab_size,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        type_vocab_size=1,
-        **TINY_SIZES,
-    )
-    XLMRobertaModel(config).save_pretrained(str(folder))
-    hidden = TINY_SIZES["hidden_size"]
-    sparse_linear = torch.nn.Linear(hidden, 1)
-    with torch.no_grad():
-        # Spread the weights so relu(w · h + b) is positive for some tokens, zero for others.
-        sparse_linear.weight.normal_(0.0, 1.0)
-        sparse_linear.bias.fill_(0.5)
-    torch.save(sparse_linear.state_dict(), folder / "sparse_linear.pt")
-    torch.save(torch.nn.Linear(hidden, hidden).state_dict(), folder / "colbert_linear.pt")
-    return folder
+    return save_bge_m3(tmp_path_factory.mktemp("bge_m3"))
 
 
 @pytest.fixture(scope="module")

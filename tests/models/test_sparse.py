@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_SIZES, TINY_TEXTS, copy_bert_tokenizer
+from conftest import TINY_TEXTS
+from sparse_models import save_splade
 
 from tidepool import LLM, PoolingParams
 from tidepool.outputs import BatchInputError, sparse_pairs
@@ -16,28 +17,9 @@ from tidepool.outputs import BatchInputError, sparse_pairs
 TEXTS = [t for t in TINY_TEXTS if t.strip()]
 
 
-def _save_splade(folder: Path, minilm_path: Path, seed: int, pooling_strategy: str) -> Path:
-    from sentence_transformers import SparseEncoder
-    from sentence_transformers.base.modules import Transformer
-    from sentence_transformers.sparse_encoder.modules import SpladePooling
-    from transformers import BertConfig, BertForMaskedLM
-
-    hf_folder = folder / "hf"
-    hf_folder.mkdir(parents=True)
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=30522, type_vocab_size=2, **TINY_SIZES)
-    BertForMaskedLM(config).save_pretrained(str(hf_folder))
-    copy_bert_tokenizer(minilm_path, hf_folder)
-    body = Transformer(str(hf_folder), transformer_task="fill-mask")
-    SparseEncoder(modules=[body, SpladePooling(pooling_strategy)], device="cpu").save(
-        str(folder / "st")
-    )
-    return folder / "st"
-
-
 @pytest.fixture(scope="module")
 def splade_path(tmp_path_factory, minilm_path) -> Path:
-    return _save_splade(tmp_path_factory.mktemp("splade"), minilm_path, 150, "max")
+    return save_splade(tmp_path_factory.mktemp("splade"), minilm_path, 150, "max")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +79,7 @@ def test_tokens_as_strings(splade_llm, sparse_encoder):
 def test_sum_pooling(tmp_path, minilm_path):
     from sentence_transformers import SparseEncoder
 
-    path = _save_splade(tmp_path, minilm_path, 151, "sum")
+    path = save_splade(tmp_path, minilm_path, 151, "sum")
     llm = LLM(str(path), device="cpu", dtype="float32")
     assert llm.model_config.sparse.pooling_strategy == "sum"
     expected = _reference(SparseEncoder(str(path), device="cpu"), TEXTS[:3])

@@ -7,40 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_SIZES, TINY_TEXTS, copy_bert_tokenizer, save_roberta_tokenizer
+from conftest import TINY_TEXTS, copy_bert_tokenizer
+from sparse_models import NER_KINDS, NER_LABELS, save_token_classifier
 
 from tidepool import LLM, PoolingParams
 from tidepool.outputs import BatchInputError
 
 TEXTS = [t for t in TINY_TEXTS if t.strip()]
-LABELS = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}
-KINDS = ("bert", "roberta", "xlm-roberta")
-
-
-def _build(kind: str, folder: Path, minilm_path: Path) -> None:
-    import transformers as tf
-
-    folder.mkdir(parents=True)
-    torch.manual_seed(40 + KINDS.index(kind))
-    labels = dict(num_labels=len(LABELS), id2label=LABELS)
-    if kind == "bert":
-        copy_bert_tokenizer(minilm_path, folder)
-        config = tf.BertConfig(vocab_size=30522, type_vocab_size=2, **labels, **TINY_SIZES)
-        model = tf.BertForTokenClassification(config)
-    else:
-        vocab_size = save_roberta_tokenizer(folder, "unigram" if kind == "xlm-roberta" else "bpe")
-        common = dict(
-            vocab_size=vocab_size, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1
-        )
-        if kind == "roberta":
-            model = tf.RobertaForTokenClassification(
-                tf.RobertaConfig(**common, **labels, **TINY_SIZES)
-            )
-        else:
-            model = tf.XLMRobertaForTokenClassification(
-                tf.XLMRobertaConfig(**common, **labels, **TINY_SIZES)
-            )
-    model.save_pretrained(str(folder))
+LABELS = NER_LABELS
+KINDS = NER_KINDS
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +25,7 @@ def ner_path(tmp_path_factory, minilm_path):
 
     def get(kind: str) -> Path:
         if kind not in built:
-            _build(kind, root / kind, minilm_path)
+            save_token_classifier(kind, root / kind, minilm_path)
             built[kind] = root / kind
         return built[kind]
 
