@@ -30,7 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from corpus import make_corpus  # noqa: E402
 
-_TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_TOKENIZER_FILES = (
+    "vocab.txt",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 def build_splade(folder: Path) -> Path:
@@ -73,7 +78,9 @@ def cpu_flags() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "unknown"
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if "flags" in line), [])
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if "flags" in line), []
+    )
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
     return " ".join(f for f in wanted if f in flags) or "none of avx2 / avx512 / amx"
 
@@ -116,7 +123,10 @@ def main() -> None:
             f"{num_tokens / t_st:9,.0f} tok/s | ratio {t_st / t_tp:.2f}x",
             flush=True,
         )
-    diff = max((a.to_dense() - b.to_dense()).abs().max().item() for a, b in zip(tp_out, st_out))
+    diff = max(
+        (a.to_dense() - b.to_dense()).abs().max().item()
+        for a, b in zip(tp_out, st_out, strict=True)
+    )
     print(
         f"\ntidepool:      {len(texts) / statistics.median(tp_times):8.1f} texts/s\n"
         f"SparseEncoder: {len(texts) / statistics.median(st_times):8.1f} texts/s\n"

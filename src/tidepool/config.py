@@ -59,8 +59,6 @@ class SparseHeadConfig:
     """SPLADE: "max" or "sum" over the text's tokens (SpladePooling's pooling_strategy)."""
     activation_function: str = "relu"
     """SPLADE: "relu" (log(1 + relu(x))) or "log1p_relu" (log(1 + log(1 + relu(x))))."""
-    max_active_dims: int | None = None
-    """Keep the largest this many weights of each text (top-k pruning); None: all."""
     skip_token_ids: tuple[int, ...] = ()
     """BGE-M3: token ids that never get a weight (CLS, EOS, PAD, UNK, as FlagEmbedding)."""
 
@@ -157,7 +155,7 @@ class ModelConfig:
 
     @property
     def is_cross_encoder(self) -> bool:
-        return "score" in self.pooling_tasks
+        return self.task == "classify" and self.output_head == "task"
 
     @property
     def uses_token_type_ids(self) -> bool:

@@ -35,7 +35,7 @@ class PoolingParams:
     """Keep at most this many tokens (special tokens included); -1 = the model's max length."""
     max_active_dims: int | None = None
     """embed_sparse: keep the largest this many weights (sentence-transformers' name); None =
-    the model's setting (all weights unless it names a limit)."""
+    every non-zero weight."""
 
     def __post_init__(self) -> None:
         if self.task is not None and self.task not in POOLING_TASKS:

@@ -28,6 +28,13 @@ _KIND = {"embed": "an embedding model", "classify": "a classification model", "g
          "generating model"}  # fmt: skip
 
 
+_HEAD_KIND = {
+    "splade": "a SPLADE sparse embedding model",
+    "bge_m3": "a BGE-M3 model",
+    "token_classifier": "a token classification model",
+}
+
+
 def check_task_supported(model_config: ModelConfig, task: str) -> None:
     """Raise ValueError, before any work, if the model cannot serve `task` ("embed", "classify",
     "score", "token_embed", "token_classify"). "score" also works on embedding models (the
@@ -38,6 +45,8 @@ def check_task_supported(model_config: ModelConfig, task: str) -> None:
     if task in tasks or (task == "score" and "embed" in tasks):
         return
     needs = _NEEDS.get(task, f"a model that supports {task!r}")
-    kind = _KIND.get(model_config.task, f"a {model_config.task} model")
+    kind = _HEAD_KIND.get(model_config.output_head) or _KIND.get(
+        model_config.task, f"a {model_config.task} model"
+    )
     offers = f"it supports {', '.join(tasks)}" if tasks else "it serves no pooling task"
     raise ValueError(f"{task}() needs {needs} ({model_config.architecture} is {kind}; {offers})")

@@ -108,7 +108,13 @@ class BertForMaskedLM(_EncoderWithHead):
         self.decoder_bias = nn.Parameter(torch.zeros(vocab))
         self.tied = bool(getattr(config, "tie_word_embeddings", True))
         self.decoder_weight = None if self.tied else nn.Parameter(torch.empty(vocab, hidden))
-        self.activation = _ACTIVATIONS[self.fixed_activation or config.hidden_act]
+        activation = self.fixed_activation or config.hidden_act
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"MLM head activation {activation!r} is not supported; "
+                f"supported: {', '.join(_ACTIVATIONS)}"
+            )
+        self.activation = _ACTIVATIONS[activation]
 
     def map_weight_name(self, name: str) -> str | None:
         if name in self.head_names:

@@ -55,12 +55,6 @@ def to_sparse(weights: torch.Tensor, max_active_dims: int | None) -> torch.Tenso
     )
 
 
-def _max_active_dims(params: PoolingParams, cfg: SparseHeadConfig | None) -> int | None:
-    if params.max_active_dims is not None:
-        return params.max_active_dims
-    return None if cfg is None else cfg.max_active_dims
-
-
 def _splade_activation(x: torch.Tensor, cfg: SparseHeadConfig) -> torch.Tensor:
     x = torch.log1p(torch.relu(x))
     return torch.log1p(x) if cfg.activation_function == "log1p_relu" else x
@@ -75,7 +69,7 @@ def splade_sparse(
         weights = _splade_activation(logits.amax(dim=0), cfg)  # monotone: see module docstring
     else:
         weights = _splade_activation(logits, cfg).sum(dim=0)
-    return to_sparse(weights, _max_active_dims(params, cfg))
+    return to_sparse(weights, params.max_active_dims)
 
 
 def _m3_token_weights(pooler: Pooler, rows: torch.Tensor) -> torch.Tensor:
@@ -94,7 +88,7 @@ def bge_m3_sparse(
         weights = weights.masked_fill(torch.isin(ids, skip), 0.0)
     vocab = pooler.model_config.hf_config.vocab_size
     per_id = weights.new_zeros(vocab).scatter_reduce_(0, ids, weights, "amax", include_self=True)
-    return to_sparse(per_id, _max_active_dims(params, cfg))
+    return to_sparse(per_id, params.max_active_dims)
 
 
 def bge_m3_token_weights(
