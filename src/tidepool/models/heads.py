@@ -14,7 +14,7 @@ multi-vector requests of the same step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import torch
@@ -32,7 +32,11 @@ from tidepool.models.bert import (
 )
 from tidepool.models.weights import load_fused_weights
 
-_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 class _EncoderWithHead(nn.Module):

@@ -228,15 +228,19 @@ class Pooler(nn.Module):
                 outputs[i] = out
         cu = meta.cu_seqlens.tolist()
         for i, p in enumerate(meta.params):
-            if self.reads_token_rows(p):
+            token_pooler = self._token_pooler(p)
+            if token_pooler is not None:
                 ids = None if meta.input_ids is None else meta.input_ids[cu[i] : cu[i + 1]]
-                outputs[i] = self._token_poolers[p.task](self, hidden[cu[i] : cu[i + 1]], ids, p)
+                outputs[i] = token_pooler(self, hidden[cu[i] : cu[i + 1]], ids, p)
         return outputs  # type: ignore[return-value]
+
+    def _token_pooler(self, params: PoolingParams) -> TokenPooler | None:
+        return self._token_poolers.get(params.task) if params.task else None
 
     def reads_token_rows(self, params: PoolingParams) -> bool:
         """True when the output is computed from each of its text's token rows (token tasks,
         sparse embeddings), not from one pooled row."""
-        return params.task in self._token_poolers
+        return self._token_pooler(params) is not None
 
     def reads_all_tokens(self, params: PoolingParams) -> bool:
         """True when the output needs every prompt token's hidden state (no prefix-cache reads)."""
@@ -280,11 +284,12 @@ class Pooler(nn.Module):
                 outputs[i] = out
         cu = meta.cu_seqlens.tolist()
         for i, p in enumerate(meta.params):
-            if self.reads_token_rows(p):
+            token_pooler = self._token_pooler(p)
+            if token_pooler is not None:
                 rows = hidden[cu[i] : cu[i + 1]]
                 rows = rows if running[i] is None else torch.cat((running[i], rows))
                 if is_last[i]:
-                    outputs[i] = self._token_poolers[p.task](self, rows, None, p)
+                    outputs[i] = token_pooler(self, rows, None, p)
                 else:
                     new_running[i] = rows
         return outputs, new_running
