@@ -17,9 +17,17 @@ def save_splade(folder: Path, minilm_path: Path, seed: int, pooling_strategy: st
     """A BertForMaskedLM saved by sentence-transformers' SparseEncoder (Transformer(fill-mask)
     → SpladePooling); returns the SparseEncoder's folder."""
     from sentence_transformers import SparseEncoder
-    from sentence_transformers.base.modules import Transformer
-    from sentence_transformers.sparse_encoder.modules import SpladePooling
     from transformers import BertConfig, BertForMaskedLM
+
+    try:  # sentence-transformers >= 6: the generic Transformer with a fill-mask task
+        from sentence_transformers.base.modules import Transformer
+        from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+        def mlm(folder: str):
+            return Transformer(folder, transformer_task="fill-mask")
+    except ImportError:  # 5.x: MLMTransformer
+        from sentence_transformers.sparse_encoder.models import MLMTransformer as mlm
+        from sentence_transformers.sparse_encoder.models import SpladePooling
 
     hf_folder = folder / "hf"
     hf_folder.mkdir(parents=True)
@@ -27,7 +35,7 @@ def save_splade(folder: Path, minilm_path: Path, seed: int, pooling_strategy: st
     config = BertConfig(vocab_size=30522, type_vocab_size=2, **TINY_SIZES)
     BertForMaskedLM(config).save_pretrained(str(hf_folder))
     copy_bert_tokenizer(minilm_path, hf_folder)
-    body = Transformer(str(hf_folder), transformer_task="fill-mask")
+    body = mlm(str(hf_folder))
     SparseEncoder(modules=[body, SpladePooling(pooling_strategy)], device="cpu").save(
         str(folder / "st")
     )
