@@ -113,3 +113,12 @@ def test_max_active_dims_on_a_dense_task_is_refused(tiny_llm):
         tiny_llm("bert").encode(
             ["x"], PoolingParams(max_active_dims=3), pooling_task="embed", use_tqdm=False
         )
+
+
+def test_a_model_without_the_head_its_config_names_is_refused_at_load():
+    from tidepool.worker.token_poolers import check_head
+
+    for head in ("splade", "bge_m3", "token_classifier"):
+        with pytest.raises(TypeError, match=f"object has no .* it cannot serve {head}"):
+            check_head(head, object())
+    check_head("task", object())  # the task's own head: checked elsewhere

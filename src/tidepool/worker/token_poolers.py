@@ -130,9 +130,9 @@ TOKEN_POOLERS: dict[tuple[str, str], TokenPooler] = {
 
 
 _HEAD_PROTOCOLS: dict[str, tuple[type, str]] = {
-    "splade": (VocabLogitsHead, "an MLM head (compute_vocab_logits)"),
-    "bge_m3": (TokenWeightHead, "a sparse_linear head (compute_token_weights)"),
-    "token_classifier": (TokenClassifierHead, "a token classifier (compute_token_logits)"),
+    "splade": (VocabLogitsHead, "MLM head (compute_vocab_logits)"),
+    "bge_m3": (TokenWeightHead, "sparse_linear head (compute_token_weights)"),
+    "token_classifier": (TokenClassifierHead, "per-token classifier head (compute_token_logits)"),
 }
 
 
