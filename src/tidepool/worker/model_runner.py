@@ -193,7 +193,7 @@ class ModelRunner:
             )
         else:
             hidden = model(input_ids, positions, attn_meta, token_type_ids)
-            pool_meta = PoolingMetadata(seq_lens, attn_meta.cu_seqlens, params)
+            pool_meta = PoolingMetadata(seq_lens, attn_meta.cu_seqlens, params, input_ids)
         outputs = self.pooler(hidden, pool_meta)
         return {r.request_id: out for r, out in zip(requests, outputs, strict=True)}
 
@@ -203,7 +203,7 @@ class ModelRunner:
         return (
             cast(EncoderModel, self.model).supports_first_token_only
             and self.pooler.pooling_type == "CLS"
-            and not any(p.task.startswith("token_") for p in params)
+            and not any(self.pooler.reads_token_rows(p) for p in params)
         )
 
     def _pool_chunks(self, hidden: torch.Tensor, batch: CausalBatch) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    RootModel,
     Strict,
     StrictBool,
     StrictInt,
@@ -154,6 +155,30 @@ class PoolingResponse(_ListResponse):
     data: list[PoolingResponseData]
 
 
+class EmbedSparseRequest(OpenAIBaseModel):
+    """TEI's /embed_sparse request."""
+
+    inputs: Any
+    """A string or a list of strings (token ids also accepted)."""
+    truncate: Bool = False
+    """Cut inputs longer than the model's maximum (else they are a 400)."""
+    truncation_direction: Str = "Right"
+    model: Str | None = None
+    max_active_dims: Int | None = None
+    """Keep the largest this many weights of each input (sentence-transformers' name)."""
+
+
+class SparseValue(OpenAIBaseModel):
+    index: int
+    """The token id."""
+    value: float
+    """Its weight (> 0)."""
+
+
+class EmbedSparseResponse(RootModel[list[list[SparseValue]]]):
+    """TEI's /embed_sparse answer: per input, its non-zero (token id, weight) pairs."""
+
+
 # ---------------------------------------------------------------------- classify
 
 
@@ -168,8 +193,10 @@ class ClassificationRequest(OpenAIBaseModel):
 
 class ClassificationData(OpenAIBaseModel):
     index: int
-    label: str | None
-    probs: list[float]
+    label: str | list[str] | None
+    """The likeliest label; a token classifier: one per token."""
+    probs: list[float] | list[list[float]]
+    """Per label; a token classifier: [num_tokens][num_labels]."""
     num_classes: int
 
 

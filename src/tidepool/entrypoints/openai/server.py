@@ -47,6 +47,7 @@ from tidepool.entrypoints.openai.middleware import (
 from tidepool.entrypoints.openai.routes_compat import add_compat_routes
 from tidepool.entrypoints.openai.serving import OpenAIServing, ServingLimits
 from tidepool.entrypoints.openai.serving_generate import OpenAIServingGeneration
+from tidepool.entrypoints.openai.serving_sparse import OpenAIServingSparse
 from tidepool.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
 SHUTDOWN_MESSAGE = (
@@ -199,6 +200,7 @@ def _add_routes(
     engine_route("/v1/embeddings", serving.embed, p.EmbeddingRequest)
     engine_route("/pooling", serving.pool, p.PoolingRequest)
     engine_route("/classify", serving.classify, p.ClassificationRequest)
+    engine_route("/embed_sparse", OpenAIServingSparse(serving).embed_sparse, p.EmbedSparseRequest)
     for path in ("/score", "/v1/score"):
         engine_route(path, serving.score, p.ScoreRequest)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 from tidepool.engine.async_engine import AsyncEngine
 from tidepool.engine.pooling import (
     cosine_scores,
     cross_encoder_score,
-    default_pooling_task,
     expand_score_pairs,
     plan_embedding_scores,
 )
@@ -35,6 +35,10 @@ from tidepool.entrypoints.openai.inputs import (
     parse_prompts,
     parse_texts,
 )
+from tidepool.entrypoints.openai.serving_sparse import (
+    sparse_pooling_data,
+    token_classification_data,
+)
 from tidepool.outputs import BatchInputError, PoolingRequestOutput
 from tidepool.params import PoolingParams
 
@@ -48,6 +52,19 @@ class ServingLimits:
 
 
 # ---------------------------------------------------------------------- output helpers
+
+
+def pooling_data(
+    values: torch.Tensor,
+    encoding_format: str,
+    embed_dtype: str,
+    ranges: np.ndarray | None,
+    endianness: str,
+) -> list[Any] | str:
+    """A /pooling `data` item: the encoded values, or a sparse output's index / value pairs."""
+    if values.is_sparse:
+        return sparse_pooling_data(values, encoding_format)
+    return encode_values(values, encoding_format, embed_dtype, ranges, endianness)
 
 
 def _usage(outputs: list[PoolingRequestOutput]) -> p.UsageInfo:
@@ -107,7 +124,7 @@ class OpenAIServing:
 
     def _default_task(self) -> str:
         """The pooling task of a request that names none: the model's own."""
-        return default_pooling_task(self.model_config.task)
+        return self.model_config.default_pooling_task
 
     def _params(self, param: str = "input", **fields: Any) -> PoolingParams:
         try:
@@ -121,13 +138,15 @@ class OpenAIServing:
         except BatchInputError as e:
             raise ApiError(400, format_batch_error(e, param), param) from e
 
-    async def _encode_input(self, value: Any, **param_fields: Any) -> list[PoolingRequestOutput]:
+    async def _encode_input(
+        self, value: Any, param: str = "input", **param_fields: Any
+    ) -> list[PoolingRequestOutput]:
         """Every prompt of a request's `input` through the engine with the same PoolingParams
         (checked in this order: the prompts, their count, the parameters; 400 / 413 on a fault)."""
-        prompts = parse_prompts(value)
-        self.check_count(len(prompts), "input")
-        params = self._params(**param_fields)
-        return await self._run(self.engine.encode(prompts, [params] * len(prompts)), "input")
+        prompts = parse_prompts(value, param)
+        self.check_count(len(prompts), param)
+        params = self._params(param, **param_fields)
+        return await self._run(self.engine.encode(prompts, [params] * len(prompts)), param)
 
     # ------------------------------------------------------------------ embeddings / pooling
 
@@ -175,7 +194,7 @@ class OpenAIServing:
         data = [
             p.PoolingResponseData(
                 index=i,
-                data=encode_values(
+                data=pooling_data(
                     o.outputs.data, req.encoding_format, req.embed_dtype, ranges, req.endianness
                 ),
             )
@@ -187,14 +206,20 @@ class OpenAIServing:
 
     async def classify(self, req: p.ClassificationRequest) -> p.ClassificationResponse:
         model = self.model_name(req.model)
-        self._check_task("classify", "Classification")
+        # A token classifier answers per token (the task it serves).
+        per_token = "classify" not in self.engine.supported_tasks
+        task = "token_classify" if per_token else "classify"
+        self._check_task(task, "Classification")
         outputs = await self._encode_input(
             req.input,
-            task="classify",
+            task=task,
             activation=req.activation,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         id2label = getattr(self.model_config.hf_config, "id2label", None) or {}
+        if per_token:
+            data = token_classification_data(outputs, id2label)
+            return p.ClassificationResponse(model=model, data=data, usage=_usage(outputs))
         data = []
         for i, o in enumerate(outputs):
             probs = o.outputs.data.reshape(-1).tolist()
@@ -352,7 +377,7 @@ def _score_fields(req: p.ScoreRequest) -> tuple[str, str]:
 
 
 def _field_of(message: str, default: str) -> str:
-    for name in ("dimensions", "truncate_prompt_tokens", "task"):
+    for name in ("dimensions", "truncate_prompt_tokens", "task", "max_active_dims"):
         if name in message:
             return name
     return default
