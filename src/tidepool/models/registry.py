@@ -19,6 +19,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
     "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
     "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
+    # BERT-like layers with a bucketed relative position bias.
+    "MPNetModel": ("mpnet", "MPNetModel"),
+    "MPNetForSequenceClassification": ("mpnet", "MPNetForSequenceClassification"),
     # Causal decoders: the bare body embeds (LAST pooling), *ForCausalLM adds the LM head.
     "LlamaModel": ("llama", "LlamaModel"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),

@@ -34,8 +34,8 @@ _DTYPES = {
     "half": torch.float16,
 }
 
-# Architectures whose positions start after padding_idx (RoBERTa family).
-_ROBERTA_LIKE = ("Roberta", "XLMRoberta", "Camembert")
+# Architectures whose positions start after padding_idx (RoBERTa family, MPNet).
+_ROBERTA_LIKE = ("Roberta", "XLMRoberta", "Camembert", "MPNet")
 
 # Causal LMs whose body is not named <prefix>Model (Gemma3Model is the multimodal model).
 _CAUSAL_LM_BODIES = {"Gemma3ForCausalLM": "Gemma3TextModel"}
