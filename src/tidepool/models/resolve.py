@@ -50,7 +50,7 @@ class ResolvedModel:
     architecture: str
     """The architecture we build (after `convert`)."""
     model_impl: str
-    """ "native" or "transformers"."""
+    """ "native", "transformers" or "fallback"."""
     is_causal: bool
     """Causal (decoder) attention."""
     position_offset: int | None
@@ -109,10 +109,23 @@ def resolve_model(
     task, arch = _resolve_task(_checkpoint_architecture(hf_config), runner, convert, model_impl)
     impl = resolve_model_impl(arch, model_impl)
     if impl == "transformers":
+        from tidepool.models.transformers_attention import UnsupportedAttentionError
         from tidepool.models.transformers_backend import inspect_hf_model
 
-        info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
-        return ResolvedModel(task, arch, impl, info.is_causal, info.position_offset)
+        try:
+            info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
+            return ResolvedModel(task, arch, impl, info.is_causal, info.position_offset)
+        except UnsupportedAttentionError as e:
+            if model_impl != "auto" or task == "generate":
+                raise  # model_impl="transformers" stays strict; generation needs our KV cache
+            reason = str(e)
+    elif impl == "fallback":
+        reason = 'model_impl="fallback" was asked for'
+    if impl in ("transformers", "fallback"):
+        from tidepool.models.fallback import inspect_fallback
+
+        fallback = inspect_fallback(arch, task, hf_config, path, trust_remote_code, reason)
+        return ResolvedModel(task, arch, "fallback", False, fallback.position_offset)
     is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
     return ResolvedModel(task, arch, impl, is_causal, None)
 
