@@ -22,6 +22,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     # BERT-like layers with a bucketed relative position bias.
     "MPNetModel": ("mpnet", "MPNetModel"),
     "MPNetForSequenceClassification": ("mpnet", "MPNetForSequenceClassification"),
+    # Disentangled attention (content and relative-position terms), on padded buckets.
+    "DebertaV2Model": ("deberta_v2", "DebertaV2Model"),
+    "DebertaV2ForSequenceClassification": ("deberta_v2", "DebertaV2ForSequenceClassification"),
     # Causal decoders: the bare body embeds (LAST pooling), *ForCausalLM adds the LM head.
     "LlamaModel": ("llama", "LlamaModel"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
