@@ -56,6 +56,11 @@ def mpnet_paths(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
+@pytest.fixture(scope="module")
+def mpnet_llm(mpnet_paths) -> LLM:
+    return LLM(str(mpnet_paths["embed"]), device="cpu", dtype="float32")
+
+
 def _backends() -> list:
     return [BUCKETED_SDPA] + ([CPU_KERNEL] if cpu_kernels.load() is not None else [])
 
@@ -75,12 +80,12 @@ def test_bucket_function_equals_transformers():
     assert len(set(theirs.tolist())) == 31
 
 
-def test_embeddings_match_sentence_transformers(mpnet_paths, report_tolerance):
+def test_embeddings_match_sentence_transformers(mpnet_paths, mpnet_llm, report_tolerance):
     from sentence_transformers import SentenceTransformer
 
     path = mpnet_paths["embed"]
     expected = torch.from_numpy(SentenceTransformer(str(path), device="cpu").encode(TEXTS))
-    llm = LLM(str(path), device="cpu", dtype="float32")
+    llm = mpnet_llm
     assert llm.model_config.model_impl == "native"
     model = llm.engine.model_runner.model
     assert type(model).__name__ == "MPNetModel"
@@ -118,8 +123,8 @@ def test_cross_encoder_scores_match_sentence_transformers(mpnet_paths):
     assert len({round(float(s), 4) for s in expected}) > 4  # distinct scores
 
 
-def test_batch_invariance(mpnet_paths):
-    llm = LLM(str(mpnet_paths["embed"]), device="cpu", dtype="float32")
+def test_batch_invariance(mpnet_llm):
+    llm = mpnet_llm
     model = llm.engine.model_runner.model
     for backend in _backends():
         model.set_attention_backend(backend)

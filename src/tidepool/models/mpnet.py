@@ -145,12 +145,12 @@ class MPNetModel(BertModel):
         self.attention_backend = BUCKETED_SDPA
 
     def map_weight_name(self, name: str) -> str | None:
-        name_or_none = super().map_weight_name(name)
-        if name_or_none is None:
+        mapped = super().map_weight_name(name)
+        if mapped is None:
             return None
         for theirs, ours in _RENAMES:
-            name_or_none = name_or_none.replace(theirs, ours)
-        return name_or_none
+            mapped = mapped.replace(theirs, ours)
+        return mapped
 
 
 class MPNetForSequenceClassification(BertForSequenceClassification):

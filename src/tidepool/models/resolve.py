@@ -105,13 +105,19 @@ def resolve_model(
     hf_config: Any, path: Path, runner: str, convert: str, model_impl: str, trust_remote_code: bool
 ) -> ResolvedModel:
     """Task, architecture and implementation of a checkpoint; the transformers backend checks
-    that it can run the HF class (on the meta device: nothing allocated)."""
+    that it can run the HF class (on the meta device: nothing allocated). With model_impl="auto"
+    a pooling model the backend cannot run goes to the fallback (models/fallback.py)."""
     task, arch = _resolve_task(_checkpoint_architecture(hf_config), runner, convert, model_impl)
     impl = resolve_model_impl(arch, model_impl)
-    if impl == "transformers":
-        from tidepool.models.transformers_attention import UnsupportedAttentionError
-        from tidepool.models.transformers_backend import inspect_hf_model
+    if impl == "native":
+        is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
+        return ResolvedModel(task, arch, impl, is_causal, None)
+    from tidepool.models.fallback import inspect_fallback
+    from tidepool.models.transformers_attention import UnsupportedAttentionError
+    from tidepool.models.transformers_backend import inspect_hf_model
 
+    reason = 'model_impl="fallback" was asked for'
+    if impl == "transformers":
         try:
             info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
             return ResolvedModel(task, arch, impl, info.is_causal, info.position_offset)
@@ -119,15 +125,9 @@ def resolve_model(
             if model_impl != "auto" or task == "generate":
                 raise  # model_impl="transformers" stays strict; generation needs our KV cache
             reason = str(e)
-    elif impl == "fallback":
-        reason = 'model_impl="fallback" was asked for'
-    if impl in ("transformers", "fallback"):
-        from tidepool.models.fallback import inspect_fallback
-
-        fallback = inspect_fallback(arch, task, hf_config, path, trust_remote_code, reason)
-        return ResolvedModel(task, arch, "fallback", False, fallback.position_offset)
-    is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
-    return ResolvedModel(task, arch, impl, is_causal, None)
+    # auto, when the backend cannot plug in: the HF model as it is (one warning line).
+    fallback = inspect_fallback(arch, task, hf_config, path, trust_remote_code, reason)
+    return ResolvedModel(task, arch, "fallback", False, fallback.position_offset)
 
 
 def _checkpoint_architecture(hf_config: Any) -> str:
