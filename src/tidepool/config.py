@@ -102,8 +102,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     """End-of-sequence ids from generation_config.json (else config.json); generation stops there."""
     model_impl: str = "native"
-    """ "native" (tidepool's model code) or "transformers" (Hugging Face's modeling code with
-    tidepool's attention: models/transformers_backend.py)."""
+    """ "native" (tidepool's model code), "transformers" (Hugging Face's modeling code with
+    tidepool's attention: models/transformers_backend.py) or "fallback" (the HF model as it is,
+    on padded batches: models/fallback.py)."""
     trust_remote_code: bool = False
     """The transformers backend may run modeling code shipped in the model folder."""
     output_head: str = "task"

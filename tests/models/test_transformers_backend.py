@@ -392,8 +392,9 @@ def test_unsupported_attention_is_refused(tmp_path, minilm_path):
     copy_bert_tokenizer(minilm_path, tmp_path)
     config = transformers.MPNetConfig(vocab_size=30522, **TINY_SIZES)
     transformers.MPNetModel(config).save_pretrained(str(tmp_path))
+    # auto runs MPNet natively now; the backend alone (strict) still refuses it.
     with pytest.raises(UnsupportedAttentionError, match="MPNetModel does not declare support"):
-        LLM(str(tmp_path), device="cpu")
+        LLM(str(tmp_path), device="cpu", model_impl="transformers")
 
 
 def test_attention_chosen_by_name_is_refused(tmp_path):
@@ -428,5 +429,6 @@ def test_remote_code_needs_trust_and_kwargs(tmp_path, tiny_model_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="trust_remote_code=True"):
         LLM(str(folder), device="cpu")
+    # Strict backend (auto would run it on the fallback: models/fallback.py).
     with pytest.raises(UnsupportedAttentionError, match=r"takes no \*\*kwargs"):
-        LLM(str(folder), device="cpu", trust_remote_code=True)
+        LLM(str(folder), device="cpu", trust_remote_code=True, model_impl="transformers")

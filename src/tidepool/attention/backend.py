@@ -5,6 +5,8 @@
                       run on the packed tokens, no buckets, no mask
       bucketed_sdpa   torch SDPA per bucket of similar lengths (torch_backend.py), on the padded
                       layout (metadata.pad_buckets); runs wherever torch runs
+    Both take an optional relative position bias (relative_bias.py: MPNet's): the kernel reads it
+    per head by key - query distance, SDPA gets it as a dense additive mask per bucket.
     decoder backends (causal, over the paged KV cache)
       paged_sdpa      torch SDPA per bucket of rows over gathered cache blocks (paged.py)
 
@@ -38,6 +40,7 @@ import torch
 from tidepool.attention import cpu_kernels, paged, torch_backend
 from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.attention.paged_metadata import GroupAttentionMetadata
+from tidepool.attention.relative_bias import RelativePositionBias
 
 
 @dataclass(frozen=True)
@@ -73,13 +76,22 @@ class EncoderAttentionBackend(ABC):
 
     @abstractmethod
     def attend(
-        self, qkv: torch.Tensor, meta: EncoderAttentionMetadata, scale: float
+        self,
+        qkv: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+        scale: float,
+        bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
-        """qkv: [num_rows, 3, num_heads, head_dim] → [num_rows, num_heads * head_dim]."""
+        """qkv: [num_rows, 3, num_heads, head_dim] → [num_rows, num_heads * head_dim]; `bias`
+        (relative_bias.py) is added to the scaled scores by key - query distance."""
 
     @abstractmethod
     def attend_first_tokens(
-        self, qkv: torch.Tensor, meta: EncoderAttentionMetadata, scale: float
+        self,
+        qkv: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+        scale: float,
+        bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         """Queries at each sequence's first row only → [num_seqs, num_heads * head_dim]."""
 
@@ -107,16 +119,16 @@ class CpuKernelBackend(EncoderAttentionBackend):
     def supports(cls, spec: AttentionSpec) -> bool:
         return cpu_kernels.supports(spec.device, spec.dtype, spec.head_dim, spec.max_positions)
 
-    def attend(self, qkv, meta, scale):
+    def attend(self, qkv, meta, scale, bias=None):
         q, k, v = qkv.unbind(1)
         return cpu_kernels.encoder_attention(
-            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale
+            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale, bias=bias
         )
 
-    def attend_first_tokens(self, qkv, meta, scale):
+    def attend_first_tokens(self, qkv, meta, scale, bias=None):
         q, k, v = qkv.unbind(1)
         return cpu_kernels.encoder_attention(
-            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale, first_token_only=True
+            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale, True, bias
         )
 
     def attend_heads(self, q, k, v, meta, scale):
@@ -136,11 +148,11 @@ class BucketedSdpaBackend(EncoderAttentionBackend):
     def supports(cls, spec: AttentionSpec) -> bool:
         return True  # torch ops on any device and dtype
 
-    def attend(self, qkv, meta, scale):
-        return torch_backend.encoder_attention(qkv, meta, scale)
+    def attend(self, qkv, meta, scale, bias=None):
+        return torch_backend.encoder_attention(qkv, meta, scale, bias)
 
-    def attend_first_tokens(self, qkv, meta, scale):
-        return torch_backend.encoder_attention_first_tokens(qkv, meta, scale)
+    def attend_first_tokens(self, qkv, meta, scale, bias=None):
+        return torch_backend.encoder_attention_first_tokens(qkv, meta, scale, bias)
 
     def attend_heads(self, q, k, v, meta, scale):
         return torch_backend.encoder_attention_heads(q, k, v, meta, scale)

@@ -2,7 +2,8 @@
 
 `encoder_attention` (csrc/cpu_encoder_attention.cpp) is bidirectional attention over packed,
 variable-length sequences: no padding, no mask, each (sequence, head) one task for a thread,
-AVX-512 in float32 with float32 or bfloat16 inputs, head_dim 32, 64 or 128. It replaces PyTorch's
+AVX-512 in float32 with float32 or bfloat16 inputs, head_dim 32, 64 or 128, with an optional
+relative position bias read per head by key - query distance (MPNet). It replaces PyTorch's
 CPU SDPA for the native encoders because SDPA's flash kernel runs 32- and 64-wide heads as many
 tiny GEMMs (25-60 GFLOP/s here; figures in docs/performance.md). Written by hand deliberately:
 no maintained library offers varlen encoder attention for CPU (vLLM's CPU kernels are part of
@@ -17,6 +18,7 @@ None, and the encoders keep PyTorch's SDPA. TIDEPOOL_CPU_ATTENTION=sdpa turns th
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from tidepool import envs
+from tidepool.attention.relative_bias import RelativePositionBias
 
 logger = logging.getLogger("tidepool")
 
@@ -84,8 +87,11 @@ def _compile() -> object:
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
+    # Named by the source's hash: checkouts with different kernels (worktrees, upgrades) share
+    # torch's build cache without loading each other's builds.
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
     load(
-        name="tidepool_cpu_ops",
+        name=f"tidepool_cpu_ops_{digest}",
         sources=[str(_SOURCE)],
         extra_cflags=_CFLAGS,
         # OpenMP: ATen's parallel_for is a header template, compiled into the kernel; without
@@ -145,12 +151,14 @@ def encoder_attention(
     seq_lens: torch.Tensor,
     scale: float,
     first_token_only: bool = False,
+    bias: RelativePositionBias | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim], k / v: [num_tokens, kv_heads, head_dim] (views with any
     row and head strides, head_dim contiguous; kv_heads dividing heads), sequence i at rows
     seq_starts[i] .. + seq_lens[i] (int64 tensors) → [num_tokens, heads * head_dim] (rows outside
     every sequence are left unset), or with `first_token_only` [num_seqs, heads * head_dim]: each
-    sequence's first query only, in sequence order."""
+    sequence's first query only, in sequence order. `bias` (relative_bias.py) is added to the
+    scores inside the kernel, read by key - query distance."""
     op = load()
     assert op is not None, "check supports() first"
     num_tokens, num_heads, head_dim = q.shape
@@ -160,5 +168,6 @@ def encoder_attention(
     else:
         out = q.new_empty(num_tokens, num_heads * head_dim)
         out_starts = seq_starts
-    op(q, k, v, seq_starts, seq_lens, out_starts, first_token_only, scale, out)
+    table, offset = (None, 0) if bias is None else (bias.by_distance, bias.offset)
+    op(q, k, v, seq_starts, seq_lens, out_starts, first_token_only, scale, table, offset, out)
     return out

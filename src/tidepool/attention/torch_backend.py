@@ -17,24 +17,29 @@ import torch
 import torch.nn.functional as F
 
 from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata
+from tidepool.attention.relative_bias import RelativePositionBias
 
 
 def encoder_attention(
-    qkv: torch.Tensor, meta: EncoderAttentionMetadata, scale: float
+    qkv: torch.Tensor,
+    meta: EncoderAttentionMetadata,
+    scale: float,
+    bias: RelativePositionBias | None = None,
 ) -> torch.Tensor:
     """qkv: [num_tokens, 3, num_heads, head_dim] → [num_tokens, num_heads * head_dim].
 
     Each sequence attends to itself only (cu_seqlens), in both directions. On the padded layout
     (metadata.pad_buckets) every bucket is a plain slice and padding slots' outputs are garbage
-    that nobody reads.
+    that nobody reads. `bias` adds a relative position bias to the scores (a dense mask per
+    bucket, made once per step).
     """
     num_tokens, _, num_heads, head_dim = qkv.shape
     if len(meta.buckets) == 1 and meta.buckets[0].valid_slots is None:
-        o = _attend_bucket(qkv, meta.buckets[0], scale)
+        o = _attend_bucket(qkv, meta.buckets[0], scale, bias)
         return o.transpose(1, 2).reshape(num_tokens, num_heads * head_dim)
     out = qkv.new_empty(num_tokens, num_heads * head_dim)
     for bucket in meta.buckets:
-        o = _attend_bucket(qkv, bucket, scale)  # [num_seqs, H, max_len, D]
+        o = _attend_bucket(qkv, bucket, scale, bias)  # [num_seqs, H, max_len, D]
         if bucket.valid_slots is None:
             # One copy, straight into the output rows: [num_seqs, max_len, H, D] ← o^T.
             out[bucket.start : bucket.end].view(
@@ -47,7 +52,10 @@ def encoder_attention(
 
 
 def encoder_attention_first_tokens(
-    qkv: torch.Tensor, meta: EncoderAttentionMetadata, scale: float
+    qkv: torch.Tensor,
+    meta: EncoderAttentionMetadata,
+    scale: float,
+    bias: RelativePositionBias | None = None,
 ) -> torch.Tensor:
     """Queries at each sequence's first slot only, keys and values at all its slots.
 
@@ -60,7 +68,9 @@ def encoder_attention_first_tokens(
     outs: list[torch.Tensor] = []
     for bucket in meta.buckets:
         assert bucket.gather_index is None, "needs the padded layout (pad_buckets)"
-        q, k, v, mask = _bucket_inputs(qkv, bucket)
+        q, k, v, mask = _bucket_inputs(qkv, bucket, bias)
+        if bias is not None:
+            mask = mask[:, :, :1]  # type: ignore[index]  # the first query's row
         # q: [num_seqs, H, 1, D] (each sequence's first slot); o: [num_seqs, H, 1, D]
         o = F.scaled_dot_product_attention(q[:, :, :1], k, v, attn_mask=mask, scale=scale)
         outs.append(o.reshape(bucket.num_seqs, num_heads * head_dim))
@@ -146,17 +156,22 @@ def _band_mask(
     return band
 
 
-def _attend_bucket(qkv: torch.Tensor, bucket: AttentionBucket, scale: float) -> torch.Tensor:
+def _attend_bucket(
+    qkv: torch.Tensor,
+    bucket: AttentionBucket,
+    scale: float,
+    bias: RelativePositionBias | None = None,
+) -> torch.Tensor:
     """One bucket as a padded batch → [num_seqs, H, max_len, D]."""
-    q, k, v, mask = _bucket_inputs(qkv, bucket)
+    q, k, v, mask = _bucket_inputs(qkv, bucket, bias)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def _bucket_inputs(
-    qkv: torch.Tensor, bucket: AttentionBucket
+    qkv: torch.Tensor, bucket: AttentionBucket, bias: RelativePositionBias | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The bucket's q, k, v as [num_seqs, H, max_len, D] views, and its key mask (the additive
-    one when it is in qkv's dtype)."""
+    one when it is in qkv's dtype; with `bias`, the bias plus -inf at padding keys)."""
     _, _, num_heads, head_dim = qkv.shape
     num_seqs, max_len = bucket.num_seqs, bucket.max_len
     if bucket.gather_index is None:
@@ -166,6 +181,8 @@ def _bucket_inputs(
     # [num_seqs * max_len, 3, H, D] → [3, num_seqs, H, max_len, D]
     qkv_heads = padded.view(num_seqs, max_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv_heads.unbind(0)
+    if bias is not None:
+        return q, k, v, bias.with_key_mask(bucket.start, bucket.key_mask, max_len, qkv.dtype)
     mask = bucket.key_mask
     if bucket.key_bias is not None and bucket.key_bias.dtype == qkv.dtype:
         mask = bucket.key_bias

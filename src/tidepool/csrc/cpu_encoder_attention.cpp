@@ -7,6 +7,10 @@
 // and no padding: each sequence attends to exactly its own tokens. Tasks are taken from a shared
 // counter, longest sequence first, so the threads finish together.
 //
+// An optional relative position bias (MPNet's) is added to the scores from a per-head row of
+// biases by key - query distance ([heads, width], attention/relative_bias.py): query i, key j read
+// column j - i + offset, one unaligned vector load per 16 scores, no [L, L] tensor.
+//
 // Why by hand: PyTorch's CPU flash-attention kernel tiles the work into many small GEMM calls,
 // which for 32- and 64-wide heads run at 25-60 GFLOP/s here; see docs/performance.md.
 
@@ -122,10 +126,11 @@ struct HeadRows {
 };
 
 // One (sequence, head): its rows [0, len) of q, k, v. Query rows 0 .. q_len-1 are written to
-// out rows out_start + i (row stride H D, this head's D columns).
+// out rows out_start + i (row stride H D, this head's D columns). bias: this head's biases by
+// distance, column j - i of key j for query i (already offset), or null.
 template <typename T, int64_t D>
 void attend(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, int64_t len, int64_t q_len,
-            int64_t h, float scale, T* out, int64_t out_start, Scratch& sc) {
+            int64_t h, float scale, const float* bias, T* out, int64_t out_start, Scratch& sc) {
   constexpr int64_t V = D / 16;  // vectors per head row
   const int64_t Lp = (len + 31) / 32 * 32;
   sc.kt.resize(D * Lp);
@@ -182,6 +187,13 @@ void attend(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, int64_t len,
           const __m512 qv = _mm512_set1_ps(qt[r * D + d]);
           acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
           acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+        }
+      }
+      if (bias != nullptr) {
+        for (int64_t r = 0; r < kRows; ++r) {
+          const float* b = bias + j - (i0 + r);
+          acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(b));
+          acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(b + 16));
         }
       }
       const int64_t real = len - j;  // real keys in this block (may exceed 32)
@@ -247,7 +259,8 @@ struct View {
 
 template <typename T, int64_t D>
 void run(View q, View k, View v, const at::Tensor& starts, const at::Tensor& lens,
-         const at::Tensor& out_starts, bool first_only, double scale, at::Tensor& out) {
+         const at::Tensor& out_starts, bool first_only, double scale, const float* bias,
+         int64_t bias_width, at::Tensor& out) {
   const int64_t H = q.heads;
   const int64_t group = q.heads / k.heads;  // query heads per key/value head
   const int64_t num_seqs = starts.size(0);
@@ -275,7 +288,8 @@ void run(View q, View k, View v, const at::Tensor& starts, const at::Tensor& len
         attend<T, D>(HeadRows<T>{qp + s0 * q.row + h * q.head, q.row},
                      HeadRows<T>{kp + s0 * k.row + kh * k.head, k.row},
                      HeadRows<T>{vp + s0 * v.row + kh * v.head, v.row}, H, len,
-                     first_only ? 1 : len, h, static_cast<float>(scale), o, os[i], sc);
+                     first_only ? 1 : len, h, static_cast<float>(scale),
+                     bias == nullptr ? nullptr : bias + h * bias_width, o, os[i], sc);
       }
     }
   });
@@ -291,7 +305,8 @@ View as_view(const at::Tensor& t, const char* name, const at::Tensor& q) {
 
 void encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& out_starts,
-                       bool first_only, double scale, at::Tensor out) {
+                       bool first_only, double scale, const c10::optional<at::Tensor>& bias,
+                       int64_t bias_offset, at::Tensor out) {
   const View qv = as_view(q, "q", q), kv = as_view(k, "k", q), vv = as_view(v, "v", q);
   TORCH_CHECK(kv.heads == vv.heads && kv.heads >= 1 && qv.heads % kv.heads == 0,
               "k and v need the same number of heads, dividing q's");
@@ -315,14 +330,33 @@ void encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     TORCH_CHECK(os[i] >= 0 && os[i] + (first_only ? 1 : ln[i]) <= out.size(0), "sequence ", i,
                 ": output rows outside out's ", out.size(0));
   }
+  const float* bias_ptr = nullptr;
+  int64_t bias_width = 0;
+  if (bias.has_value()) {
+    // Columns the tiles read: j - i + offset for i in [0, 8 * ceil(q_len / 8)), j in [0, Lp).
+    int64_t longest = 0;
+    for (int64_t i = 0; i < num_seqs; ++i) longest = std::max(longest, ln[i]);
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.dim() == 2 &&
+                    b.size(0) == q.size(1),
+                "bias: contiguous float32 [heads, width]");
+    TORCH_CHECK(bias_offset >= longest - 1 + kRows - 1 &&
+                    b.size(1) >= bias_offset + (longest + 31) / 32 * 32,
+                "bias: offset ", bias_offset, " and width ", b.size(1),
+                " leave too little slack for sequences of ", longest, " tokens");
+    bias_ptr = b.data_ptr<float>() + bias_offset;
+    bias_width = b.size(1);
+  }
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "float32 or bfloat16 only");
 #define TP_CASE(DIM)                                                                          \
   if (D == DIM) {                                                                             \
     if (bf16)                                                                                 \
-      run<c10::BFloat16, DIM>(qv, kv, vv, starts, lens, out_starts, first_only, scale, out); \
+      run<c10::BFloat16, DIM>(qv, kv, vv, starts, lens, out_starts, first_only, scale,     \
+                              bias_ptr, bias_width, out);                                   \
     else                                                                                      \
-      run<float, DIM>(qv, kv, vv, starts, lens, out_starts, first_only, scale, out);         \
+      run<float, DIM>(qv, kv, vv, starts, lens, out_starts, first_only, scale, bias_ptr,     \
+                      bias_width, out);                                                     \
     return;                                                                                   \
   }
   TP_CASE(32)
@@ -341,7 +375,8 @@ void encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 TORCH_LIBRARY(TP_NS, m) {
   m.def(
       "encoder_attention(Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lens, "
-      "Tensor out_starts, bool first_only, float scale, Tensor(a!) out) -> ()");
+      "Tensor out_starts, bool first_only, float scale, Tensor? bias, int bias_offset, "
+      "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(TP_NS, CPU, m) { m.impl("encoder_attention", &encoder_attention); }

@@ -60,7 +60,8 @@ class EngineArgs:
     disable_hybrid_kv_cache_manager: bool = False
     """Sliding-window layers keep every block like full attention."""
     model_impl: str = "auto"
-    """ "native", "transformers" or "auto" (native where tidepool has the architecture)."""
+    """ "native", "transformers", "fallback" or "auto" (native where tidepool has the
+    architecture, else the transformers backend, else the fallback for pooling tasks)."""
 
     def to_engine_config(self, model: str) -> EngineConfig:
         """The frozen engine configuration (reads the model's config files; loads no weights and

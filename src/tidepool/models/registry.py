@@ -30,6 +30,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BertForTokenClassification": ("heads", "BertForTokenClassification"),
     "RobertaForTokenClassification": ("heads", "RobertaForTokenClassification"),
     "XLMRobertaForTokenClassification": ("heads", "XLMRobertaForTokenClassification"),
+    # BERT-like layers with a bucketed relative position bias.
+    "MPNetModel": ("mpnet", "MPNetModel"),
+    "MPNetForSequenceClassification": ("mpnet", "MPNetForSequenceClassification"),
+    # Disentangled attention (content and relative-position terms), on padded buckets.
+    "DebertaV2Model": ("deberta_v2", "DebertaV2Model"),
+    "DebertaV2ForSequenceClassification": ("deberta_v2", "DebertaV2ForSequenceClassification"),
     # Causal decoders: the bare body embeds (LAST pooling), *ForCausalLM adds the LM head.
     "LlamaModel": ("llama", "LlamaModel"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -47,12 +53,15 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
-MODEL_IMPLS = ("auto", "native", "transformers")
-"""auto: the native model when there is one, else the transformers backend."""
+MODEL_IMPLS = ("auto", "native", "transformers", "fallback")
+"""auto: the native model when there is one, else the transformers backend, else (for pooling
+tasks, when the backend cannot plug its attention in) the fallback: the HF model as it is,
+unpacked (models/fallback.py). transformers: the backend or an error (strict)."""
 
 
 def resolve_model_impl(architecture: str, model_impl: str) -> str:
-    """ "native" or "transformers": which code builds `architecture`."""
+    """ "native", "transformers" or "fallback": the first code to try for `architecture` (auto's
+    step from the backend to the fallback happens in models/resolve.py, which inspects the model)."""
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
     if model_impl == "auto":
@@ -64,7 +73,7 @@ def resolve_model_impl(architecture: str, model_impl: str) -> str:
 
 def has_implementation(architecture: str, model_impl: str) -> bool:
     """Some code can build `architecture` under `model_impl` (without remote code)."""
-    if model_impl != "transformers" and is_registered(architecture):
+    if model_impl not in ("transformers", "fallback") and is_registered(architecture):
         return True
     if model_impl == "native":
         return False
@@ -99,6 +108,10 @@ def build_model(config: ModelConfig) -> nn.Module:
         from tidepool.models.transformers_backend import build_transformers_model
 
         return build_transformers_model(config)
+    if config.model_impl == "fallback":
+        from tidepool.models.fallback import build_fallback_model
+
+        return build_fallback_model(config)
     model_cls = get_model_class(config.architecture)
     with torch.device("meta"):
         model = model_cls(config.hf_config)

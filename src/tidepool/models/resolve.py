@@ -34,8 +34,8 @@ _DTYPES = {
     "half": torch.float16,
 }
 
-# Architectures whose positions start after padding_idx (RoBERTa family).
-_ROBERTA_LIKE = ("Roberta", "XLMRoberta", "Camembert")
+# Architectures whose positions start after padding_idx (RoBERTa family, MPNet).
+_ROBERTA_LIKE = ("Roberta", "XLMRoberta", "Camembert", "MPNet")
 
 # Causal LMs whose body is not named <prefix>Model (Gemma3Model is the multimodal model).
 _CAUSAL_LM_BODIES = {"Gemma3ForCausalLM": "Gemma3TextModel"}
@@ -50,7 +50,7 @@ class ResolvedModel:
     architecture: str
     """The architecture we build (after `convert`)."""
     model_impl: str
-    """ "native" or "transformers"."""
+    """ "native", "transformers" or "fallback"."""
     is_causal: bool
     """Causal (decoder) attention."""
     position_offset: int | None
@@ -111,7 +111,8 @@ def resolve_model(
     hf_config: Any, path: Path, runner: str, convert: str, model_impl: str, trust_remote_code: bool
 ) -> ResolvedModel:
     """Task, architecture and implementation of a checkpoint; the transformers backend checks
-    that it can run the HF class (on the meta device: nothing allocated)."""
+    that it can run the HF class (on the meta device: nothing allocated). With model_impl="auto"
+    a pooling model the backend cannot run goes to the fallback (models/fallback.py)."""
     checkpoint_arch = _checkpoint_architecture(hf_config)
     task, arch = _resolve_task(checkpoint_arch, runner, convert, model_impl)
     head = _output_head(checkpoint_arch, task, arch, path, convert, model_impl)
@@ -120,15 +121,29 @@ def resolve_model(
     impl = resolve_model_impl(arch, model_impl)
     output_head = "task" if head is None else head.output_head
     sparse = None if head is None else head.sparse
-    if impl == "transformers":
-        from tidepool.models.transformers_backend import inspect_hf_model
+    if impl == "native":
+        is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
+        return ResolvedModel(task, arch, impl, is_causal, None, output_head, sparse)
+    from tidepool.models.fallback import inspect_fallback
+    from tidepool.models.transformers_attention import UnsupportedAttentionError
+    from tidepool.models.transformers_backend import inspect_hf_model
 
-        info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
-        return ResolvedModel(
-            task, arch, impl, info.is_causal, info.position_offset, output_head, sparse
-        )
-    is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
-    return ResolvedModel(task, arch, impl, is_causal, None, output_head, sparse)
+    reason = 'model_impl="fallback" was asked for'
+    if impl == "transformers":
+        try:
+            info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
+            return ResolvedModel(
+                task, arch, impl, info.is_causal, info.position_offset, output_head, sparse
+            )
+        except UnsupportedAttentionError as e:
+            if model_impl != "auto" or task == "generate":
+                raise  # model_impl="transformers" stays strict; generation needs our KV cache
+            reason = str(e)
+    # auto, when the backend cannot plug in: the HF model as it is (one warning line).
+    fallback = inspect_fallback(arch, task, hf_config, path, trust_remote_code, reason)
+    return ResolvedModel(
+        task, arch, "fallback", False, fallback.position_offset, output_head, sparse
+    )
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.model = _check_contract(build_model(config.model), config.model)
         self.pooler = Pooler(config.model, self.model)
-        self.num_heads = int(config.model.hf_config.num_attention_heads)
+        # Sizes attention buckets; a model without attention heads (FNet, on the fallback): 1.
+        self.num_heads = int(getattr(config.model.hf_config, "num_attention_heads", None) or 1)
         # positions are 0..len-1 per sequence: slices of one arange, made once.
         self._arange = torch.arange(config.model.max_model_len, dtype=torch.int64)
         self.kv_cache_config: KVCacheConfig | None = None

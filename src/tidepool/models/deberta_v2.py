@@ -1,0 +1,381 @@
+"""DeBERTa-v2 / v3 (NLI cross-encoders, mxbai-rerank v1, ...) on padded buckets: disentangled
+attention with log-bucketed relative positions.
+
+    scores[i, j] = (q_i·k_j + q_i·pk[r(i, j)] + k_j·pq[r(i, j)]) / sqrt(D * scale_factor)
+                    content→content  content→position  position→content
+
+r(i, j) = clamp(bucket(i - j) + span, 0, 2 span - 1) indexes the relative embeddings (one
+[2 span, hidden] table shared by all layers, LayerNorm'd when norm_rel_ebd says so); pk / pq are
+those embeddings through the layer's key / query projections (share_att_key) or its own pos_key_proj
+/ pos_query_proj; scale_factor is 1 + one per term in pos_att_type.
+
+The layers run on the padded layout (attention/metadata.pad_buckets): each bucket of similar lengths
+is a [num_seqs, L] block, and its attention is one SDPA call whose additive mask carries the two
+position terms (gathered from [L, R] products, R <= 2 L - 1 the distinct relative rows a length-L
+bucket can use) plus -inf at padding keys. Per step the relative rows are projected once per layer,
+only those the step's longest bucket reaches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
+from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata, pad_buckets
+from tidepool.models.bert import BertDenseLayerNorm, BertIntermediate
+from tidepool.models.layers.activation import get_activation
+from tidepool.models.layers.linear import Linear
+from tidepool.models.weights import load_fused_weights
+
+
+def make_log_bucket_position(
+    relative_pos: torch.Tensor, bucket_size: int, max_position: int
+) -> torch.Tensor:
+    """i - j → its bucket: exact within ±bucket_size / 2, logarithmic out to max_position (the
+    same ops as transformers' make_log_bucket_position)."""
+    sign = torch.sign(relative_pos)
+    mid = bucket_size // 2
+    abs_pos = torch.where(
+        (relative_pos < mid) & (relative_pos > -mid),
+        torch.tensor(mid - 1).type_as(relative_pos),
+        torch.abs(relative_pos),
+    )
+    log_pos = (
+        torch.ceil(
+            torch.log(abs_pos / mid) / torch.log(torch.tensor((max_position - 1) / mid)) * (mid - 1)
+        )
+        + mid
+    )
+    return torch.where(abs_pos <= mid, relative_pos.type_as(log_pos), log_pos * sign).long()
+
+
+def relative_span(config) -> tuple[int, int, int]:
+    """(position_buckets, max_relative_positions, span) as transformers reads them; the relative
+    embeddings have 2 * span rows."""
+    buckets = int(getattr(config, "position_buckets", -1))
+    max_relative = int(getattr(config, "max_relative_positions", -1))
+    if max_relative < 1:
+        max_relative = config.max_position_embeddings
+    return buckets, max_relative, buckets if buckets > 0 else max_relative
+
+
+class RelativeRows:
+    """One step's relative-position indices: r(i, j) for bucket lengths up to `max_len`."""
+
+    def __init__(self, config, max_len: int, device: torch.device) -> None:
+        buckets, max_relative, self.span = relative_span(config)
+        idx = torch.arange(max_len, device=device)
+        relative = idx[:, None] - idx[None, :]  # i - j
+        if buckets > 0:
+            relative = make_log_bucket_position(relative, buckets, max_relative)
+        index = torch.clamp(relative + self.span, 0, 2 * self.span - 1)  # [L, L]
+        # r is monotonic in i - j: the rows used lie between r(0, L-1) and r(L-1, 0).
+        self.first_row = int(index[0, -1])
+        self.num_rows = int(index[-1, 0]) - self.first_row + 1
+        self.index = index - self.first_row
+        self._by_len: dict[int, tuple[torch.Tensor, slice]] = {}
+
+    def for_length(self, length: int) -> tuple[torch.Tensor, slice]:
+        """A bucket of `length`: (its [length, length] int64 indices into the rows it uses, those
+        rows as a slice of the step's), so a short bucket multiplies by its own rows only."""
+        found = self._by_len.get(length)
+        if found is None:
+            index = self.index[:length, :length]
+            first, last = int(index[0, -1]), int(index[-1, 0])
+            found = ((index - first).contiguous(), slice(first, last + 1))
+            self._by_len[length] = found
+        return found
+
+
+class DisentangledSelfAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "attention_head_size", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        inner = self.num_heads * self.head_dim
+        self.qkv = Linear(config.hidden_size, 3 * inner)
+        self.relative = bool(getattr(config, "relative_attention", False))
+        self.pos_att_type = list(config.pos_att_type or []) if self.relative else []
+        self.share_att_key = bool(getattr(config, "share_att_key", False))
+        if self.relative and not self.share_att_key:
+            if "c2p" in self.pos_att_type:
+                self.pos_key_proj = Linear(config.hidden_size, inner)
+            if "p2c" in self.pos_att_type:
+                self.pos_query_proj = Linear(config.hidden_size, inner)
+        scale_factor = 1 + len({"c2p", "p2c"} & set(self.pos_att_type))
+        self.scale = 1.0 / math.sqrt(self.head_dim * scale_factor)
+
+    def _position_heads(self, rel: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """rel: [R, hidden] → (pk, pq), each [H, R, D] or None when its term is off."""
+        pk = pq = None
+        if self.share_att_key:
+            q_rows, k_rows, _ = self.qkv(rel).chunk(3, dim=-1)
+            pk = k_rows if "c2p" in self.pos_att_type else None
+            pq = q_rows if "p2c" in self.pos_att_type else None
+        else:
+            if "c2p" in self.pos_att_type:
+                pk = self.pos_key_proj(rel)
+            if "p2c" in self.pos_att_type:
+                pq = self.pos_query_proj(rel)
+
+        def heads(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.view(-1, self.num_heads, self.head_dim).transpose(0, 1)
+
+        return heads(pk), heads(pq)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+        rows: RelativeRows | None,
+        rel: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x: [num_slots, hidden] on the padded layout → [num_slots, heads * head_dim]."""
+        qkv = self.qkv(x)
+        pk, pq = (None, None) if rel is None else self._position_heads(rel)
+        out = x.new_empty(x.shape[0], self.num_heads * self.head_dim)
+        for bucket in meta.buckets:
+            out[bucket.start : bucket.end] = self._attend_bucket(qkv, bucket, rows, pk, pq)
+        return out
+
+    def _attend_bucket(
+        self,
+        qkv: torch.Tensor,
+        bucket: AttentionBucket,
+        rows: RelativeRows | None,
+        pk: torch.Tensor | None,
+        pq: torch.Tensor | None,
+    ) -> torch.Tensor:
+        n, length, heads, dim = bucket.num_seqs, bucket.max_len, self.num_heads, self.head_dim
+        # [n * L, 3 * H * D] → q, k, v: [n, H, L, D]
+        block = qkv[bucket.start : bucket.end].view(n, length, 3, heads, dim)
+        q, k, v = block.permute(2, 0, 3, 1, 4).unbind(0)
+        mask: torch.Tensor | None = None
+        if rows is not None:
+            index, used = rows.for_length(length)
+            index = index.expand(n, heads, length, length)
+            mask = torch.zeros(n, heads, length, length, dtype=q.dtype, device=q.device)
+            if pk is not None:  # content→position: q_i · pk[r(i, j)]
+                mask += torch.matmul(q, pk[:, used].transpose(-1, -2)).gather(-1, index)
+            if pq is not None:  # position→content: k_j · pq[r(i, j)], r(i, j) = index.T[j, i]
+                p2c = torch.matmul(k, pq[:, used].transpose(-1, -2))
+                mask += p2c.gather(-1, index.transpose(-1, -2)).transpose(-1, -2)
+            mask *= self.scale
+            if bucket.key_mask is not None:
+                mask.masked_fill_(~bucket.key_mask, float("-inf"))
+        elif bucket.key_mask is not None:
+            mask = bucket.key_mask
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return o.transpose(1, 2).reshape(n * length, heads * dim)
+
+
+class DebertaV2Attention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self = DisentangledSelfAttention(config)
+        self.output = BertDenseLayerNorm(config.hidden_size, config)
+
+
+class DebertaV2Layer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.attention = DebertaV2Attention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertDenseLayerNorm(config.intermediate_size, config)
+
+    def forward(self, x, meta, rows, rel) -> torch.Tensor:
+        x = self.attention.output(self.attention.self(x, meta, rows, rel), x)
+        return self.output(self.intermediate(x), x)
+
+
+class DebertaV2Embeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        size = getattr(config, "embedding_size", None) or config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, size)
+        self.position_embeddings = None
+        if getattr(config, "position_biased_input", True):
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, size)
+        num_types = int(getattr(config, "type_vocab_size", 0) or 0)
+        self.token_type_embeddings = nn.Embedding(num_types, size) if num_types > 0 else None
+        self.embed_proj = (
+            Linear(size, config.hidden_size, bias=False) if size != config.hidden_size else None
+        )
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids, positions, token_type_ids) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(positions)
+        if self.token_type_embeddings is not None:
+            if token_type_ids is None:
+                x = x + self.token_type_embeddings.weight[0]
+            else:
+                x = x + self.token_type_embeddings(token_type_ids)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
+        return self.LayerNorm(x)
+
+
+class DebertaV2Encoder(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if int(getattr(config, "conv_kernel_size", 0) or 0) > 0:
+            raise ValueError(
+                "DeBERTa-v2 with a convolution layer (conv_kernel_size > 0) has no native "
+                'implementation; model_impl="fallback" runs it'
+            )
+        self.config = config
+        self.layer = nn.ModuleList(DebertaV2Layer(config) for _ in range(config.num_hidden_layers))
+        self.relative = bool(getattr(config, "relative_attention", False))
+        if self.relative:
+            span = relative_span(config)[2]
+            self.rel_embeddings = nn.Embedding(2 * span, config.hidden_size)
+        norms = str(getattr(config, "norm_rel_ebd", "none")).lower().split("|")
+        self.LayerNorm = (
+            nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+            if "layer_norm" in [n.strip() for n in norms]
+            else None
+        )
+
+    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+        rows = rel = None
+        if self.relative:
+            # Once per step: the relative rows the longest bucket reaches, LayerNorm'd.
+            rows = RelativeRows(self.config, max(b.max_len for b in meta.buckets), x.device)
+            rel = self.rel_embeddings.weight[rows.first_row : rows.first_row + rows.num_rows]
+            if self.LayerNorm is not None:
+                rel = self.LayerNorm(rel)
+        for layer in self.layer:
+            x = layer(x, meta, rows, rel)
+        return x
+
+
+class DebertaV2Model(nn.Module):
+    """The DeBERTa-v2 / v3 body: packed ids → hidden states [num_tokens, hidden] (an
+    EncoderModel, models/interfaces.py)."""
+
+    is_causal: ClassVar[bool] = False
+    default_pooling_type = "CLS"
+    supports_first_token_only = False
+    body_prefix = "deberta."
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = DebertaV2Embeddings(config)
+        self.encoder = DebertaV2Encoder(config)
+        self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
+        """Unused by the layers (their attention is their own, on padded buckets)."""
+
+    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        return AttentionSpec(device, dtype, head_dim, self.config.max_position_embeddings)
+
+    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
+        self.attention_backend = backend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: EncoderAttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,
+        first_token_only: bool = False,
+    ) -> torch.Tensor:
+        if first_token_only:
+            raise ValueError("supports_first_token_only is False: every row is computed")
+        layout = pad_buckets(attn_metadata)
+        slots = layout.token_index
+        if token_type_ids is not None:
+            token_type_ids = token_type_ids[slots]
+        x = self.embeddings(input_ids[slots], positions[slots], token_type_ids)
+        x = self.encoder(x, layout.metadata)
+        return x if layout.is_packed else x.index_select(0, layout.slot_of_token)
+
+    def map_weight_name(self, name: str) -> str | None:
+        name = name.removeprefix(self.body_prefix)
+        if not name.startswith(("embeddings.", "encoder.")) or name.endswith("position_ids"):
+            return None
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+
+
+class DebertaV2ForSequenceClassification(nn.Module):
+    """A DeBERTa cross-encoder: first token → ContextPooler (dense → pooler_hidden_act) →
+    classifier (an EncoderModel and a ClassifierHead)."""
+
+    is_causal: ClassVar[bool] = False
+    default_pooling_type = "CLS"
+    supports_first_token_only = False
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.body = DebertaV2Model(config)
+        pooler_size = getattr(config, "pooler_hidden_size", None) or config.hidden_size
+        self.pooler_dense = nn.Linear(pooler_size, pooler_size)
+        self.pooler_act = get_activation(getattr(config, "pooler_hidden_act", "gelu"))
+        self.classifier = nn.Linear(pooler_size, config.num_labels)
+
+    @property
+    def attention_backend(self) -> EncoderAttentionBackend:
+        return self.body.attention_backend
+
+    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        return self.body.attention_spec(device, dtype)
+
+    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
+        self.body.set_attention_backend(backend)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: EncoderAttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,
+        first_token_only: bool = False,
+    ) -> torch.Tensor:
+        return self.body(input_ids, positions, attn_metadata, token_type_ids, first_token_only)
+
+    def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        """pooled: [num_seqs, hidden] (the first tokens' states) → [num_seqs, num_labels]."""
+        return self.classifier(self.pooler_act(self.pooler_dense(pooled)))
+
+    _head_names = {
+        "pooler.dense.weight": "pooler_dense.weight",
+        "pooler.dense.bias": "pooler_dense.bias",
+        "classifier.weight": "classifier.weight",
+        "classifier.bias": "classifier.bias",
+    }
+
+    def map_weight_name(self, name: str) -> str | None:
+        if name in self._head_names:
+            return self._head_names[name]
+        mapped = self.body.map_weight_name(name)
+        return None if mapped is None else "body." + mapped
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+
+
+_QKV = {
+    ".attention.self.query_proj.": (".attention.self.qkv.", 0),
+    ".attention.self.key_proj.": (".attention.self.qkv.", 1),
+    ".attention.self.value_proj.": (".attention.self.qkv.", 2),
+}
+
+
+def _qkv_thirds(module: nn.Module, fused_name: str) -> list[int]:
+    rows = module.get_parameter(fused_name).shape[0]
+    return [rows // 3] * 3

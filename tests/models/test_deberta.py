@@ -1,0 +1,112 @@
+"""Native DeBERTa-v2 / v3 (disentangled attention) vs sentence-transformers, float32 on CPU.
+
+Two tiny configurations cover the variants: a v3-style embedder (shared attention keys, 16
+log-buckets out to 64 positions, LayerNorm'd relative embeddings, no absolute positions, no token
+types) and a v2-style cross-encoder (own pos_key_proj / pos_query_proj, no buckets: relative
+positions clamped at 16, absolute positions, two token types). Prompts of up to ~100 tokens cross
+every bucket and the clamp.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import TINY_TEXTS, copy_bert_tokenizer, write_st_pooling
+
+from tidepool import LLM, PoolingParams
+
+RAW = PoolingParams(normalize=False)
+SIZES = dict(
+    vocab_size=30522,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+    pad_token_id=0,
+    relative_attention=True,
+    pos_att_type=["p2c", "c2p"],
+)
+V3 = dict(
+    share_att_key=True,
+    position_buckets=16,
+    max_relative_positions=64,
+    norm_rel_ebd="layer_norm",
+    position_biased_input=False,
+    type_vocab_size=0,
+)
+V2 = dict(
+    share_att_key=False,
+    position_buckets=-1,
+    max_relative_positions=16,
+    position_biased_input=True,
+    type_vocab_size=2,
+    num_labels=1,
+)
+
+
+@pytest.fixture(scope="module")
+def deberta_paths(tmp_path_factory, minilm_path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deberta")
+    paths = {}
+    for seed, (kind, extra, cls) in enumerate(
+        [
+            ("embed", V3, transformers.DebertaV2Model),
+            ("score", V2, transformers.DebertaV2ForSequenceClassification),
+        ]
+    ):
+        folder = root / kind
+        folder.mkdir()
+        copy_bert_tokenizer(minilm_path, folder)
+        torch.manual_seed(50 + seed)
+        cls(transformers.DebertaV2Config(**SIZES, **extra)).eval().save_pretrained(str(folder))
+        if kind == "embed":
+            write_st_pooling(folder, "mean")
+        paths[kind] = folder
+    return paths
+
+
+def _embed(llm: LLM, texts: list[str]) -> torch.Tensor:
+    outs = llm.embed(texts, pooling_params=RAW, use_tqdm=False)
+    return torch.tensor([o.outputs.embedding for o in outs])
+
+
+def test_embeddings_match_sentence_transformers(deberta_paths, report_tolerance):
+    from sentence_transformers import SentenceTransformer
+
+    path = deberta_paths["embed"]
+    expected = torch.from_numpy(SentenceTransformer(str(path), device="cpu").encode(TINY_TEXTS))
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.model_config.model_impl == "native"
+    got = _embed(llm, TINY_TEXTS)
+    measured = report_tolerance("tiny DeBERTa-v3 MEAN", got, expected)
+    assert measured.worst_cosine >= 0.99999
+    assert measured.max_abs_diff <= 1e-5
+    # Batch invariance: alone equals batched, and different prompts differ.
+    alone = torch.cat([_embed(llm, [t]) for t in TINY_TEXTS])
+    assert (alone - got).abs().max() <= 1e-5
+    assert F.cosine_similarity(got[:1], got[1:]).max() < 0.999
+
+
+def test_cross_encoder_scores_match_sentence_transformers(deberta_paths):
+    from sentence_transformers import CrossEncoder
+
+    path = deberta_paths["score"]
+    queries = [TINY_TEXTS[i % len(TINY_TEXTS)] for i in range(10)]
+    docs = [TINY_TEXTS[(3 * i + 1) % len(TINY_TEXTS)] for i in range(10)]
+    expected = torch.tensor(
+        CrossEncoder(str(path), device="cpu").predict(list(zip(queries, docs, strict=True)))
+    )
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.model_config.model_impl == "native" and llm.model_config.task == "classify"
+    got = torch.tensor([o.outputs.score for o in llm.score(queries, docs, use_tqdm=False)])
+    assert (got - expected).abs().max() <= 1e-5
+    assert len({round(float(s), 4) for s in expected}) > 5  # distinct scores
+    pairs = zip(queries, docs, strict=True)
+    alone = torch.tensor([llm.score(q, d, use_tqdm=False)[0].outputs.score for q, d in pairs])
+    assert (alone - got).abs().max() <= 1e-5
