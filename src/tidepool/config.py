@@ -85,6 +85,9 @@ class ModelConfig:
     tidepool's attention: models/transformers_backend.py)."""
     trust_remote_code: bool = False
     """The transformers backend may run modeling code shipped in the model folder."""
+    score_template: str | None = None
+    """Decoder rerankers: the prompt each (query, document) pair is rendered into, with `{query}`
+    and `{document}` (engine/score_template.py); None: the tokenizer's pair encoding."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or self.max_model_len < 1:
