@@ -178,6 +178,20 @@ def test_converted_seq_cls_checkpoint_gives_the_same_scores(reranker, reranker_d
     assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) <= 1e-5
 
 
+def test_convert_classify_with_tokens_is_the_same_reranker(reranker, reranker_dirs) -> None:
+    """tidepool's spelling: convert="classify" picks the *ForSequenceClassification class."""
+    overrides = {k: v for k, v in QWEN3_RERANKER.items() if k != "architectures"}
+    llm = LLM(
+        str(reranker_dirs["original"]),
+        convert="classify",
+        hf_overrides=overrides,
+        device="cpu",
+        dtype="float32",
+    )
+    got, expected = scores_of(llm, QUERY, DOCS), scores_of(reranker, QUERY, DOCS)
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) <= 1e-6
+
+
 def test_batch_invariance_and_rerank_order(reranker) -> None:
     together = scores_of(reranker, QUERY, DOCS)
     alone = [scores_of(reranker, QUERY, [doc])[0] for doc in DOCS]
