@@ -113,6 +113,9 @@ class ModelConfig:
     multi-vector) or "token_classifier" (per-token labels)."""
     sparse: SparseHeadConfig | None = None
     """Sparse pooling settings of the "splade" and "bge_m3" heads."""
+    score_template: str | None = None
+    """Decoder rerankers: the prompt each (query, document) pair is rendered into, with `{query}`
+    and `{document}` (engine/score_template.py); None: the tokenizer's pair encoding."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or self.max_model_len < 1:

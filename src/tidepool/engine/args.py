@@ -11,6 +11,7 @@ import torch
 
 from tidepool import envs
 from tidepool.config import CacheConfig, EngineConfig, SchedulerConfig
+from tidepool.engine.score_template import resolve_score_template
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.models.resolve import build_model_config
 
@@ -62,6 +63,16 @@ class EngineArgs:
     model_impl: str = "auto"
     """ "native", "transformers", "fallback" or "auto" (native where tidepool has the
     architecture, else the transformers backend, else the fallback for pooling tasks)."""
+    hf_overrides: dict[str, Any] | None = None
+    """Keys that replace config.json's (vLLM's name), e.g. an LLM reranker's {"architectures":
+    ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True}."""
+    score_template: str | None = None
+    """Decoder rerankers: the prompt of each (query, document) pair, with `{query}` and
+    `{document}` (and `{instruction}`), a built-in name ("qwen3_reranker"), a file, or "none";
+    None: Qwen3-Reranker's own template when the model is one (engine/score_template.py)."""
+    score_instruction: str | None = None
+    """The template's `{instruction}`; None: the built-in template's default."""
 
     def to_engine_config(self, model: str) -> EngineConfig:
         """The frozen engine configuration (reads the model's config files; loads no weights and
@@ -76,7 +87,15 @@ class EngineArgs:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             model_impl=self.model_impl,
+            hf_overrides=self.hf_overrides,
         )
+        template = resolve_score_template(
+            self.score_template, self.score_instruction, model_config.hf_config
+        )
+        if template is not None:
+            if model_config.task != "classify":
+                raise ValueError("score_template applies to cross-encoders (task classify) only")
+            model_config = replace(model_config, score_template=template)
         # Encoders run each prompt whole; causal models with chunked prefill do not need to.
         whole_prompts = not model_config.is_causal or not self.enable_chunked_prefill
         max_num_batched_tokens = self.max_num_batched_tokens

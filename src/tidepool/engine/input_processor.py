@@ -28,6 +28,7 @@ from tidepool.engine.prefix_tokenizer import (
     PrefixTokenizer,
     read_limit,
 )
+from tidepool.engine.score_template import ScoreTemplate, render_pairs
 from tidepool.engine.text_checks import unicode_problem
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
@@ -103,6 +104,11 @@ class InputProcessor:
         st = model_config.st
         self.lower_case = st.do_lower_case
         self.default_prompt = st.prompts.get(st.default_prompt_name or "", "")
+        self.score_template = (
+            None
+            if model_config.score_template is None
+            else ScoreTemplate.parse(model_config.score_template)
+        )
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:
@@ -260,7 +266,10 @@ class InputProcessor:
     def process_pairs(
         self, pairs: Sequence[tuple[Any, Any]], params: Sequence[PoolingParams]
     ) -> list[Request | RequestError]:
-        """Cross-encoder inputs: (query, document) text pairs, encoded together with token types."""
+        """Cross-encoder inputs: (query, document) text pairs, encoded together with token types
+        (or, for a decoder reranker, rendered into its score template: `_process_templated`)."""
+        if self.score_template is not None:
+            return self._process_templated(pairs, params, self.score_template)
         results: list[Request | RequestError | None] = [None] * len(pairs)
         ok: list[tuple[int, _Budget]] = []
         for i, (first, second) in enumerate(pairs):
@@ -349,6 +358,24 @@ class InputProcessor:
                 f"{limit:,} ({CHARS_PER_TOKEN} per token of max_model_len): shorten it"
             )
         return None
+
+    def _process_templated(
+        self,
+        pairs: Sequence[tuple[Any, Any]],
+        params: Sequence[PoolingParams],
+        template: ScoreTemplate,
+    ) -> list[Request | RequestError]:
+        """Each pair rendered into ONE prompt (no token types), then checked as a single text."""
+        texts, errors = render_pairs(template, pairs, params, self._pair_side_error)
+        results: dict[int, Request | RequestError] = {
+            i: RequestError(i, m) for i, m in errors.items()
+        }
+        ok = sorted(texts)
+        for i, item in zip(
+            ok, self.process([texts[i] for i in ok], [params[i] for i in ok]), strict=True
+        ):
+            results[i] = RequestError(i, item.message) if isinstance(item, RequestError) else item
+        return [results[i] for i in range(len(pairs))]
 
     @property
     def _num_special_pair(self) -> int:

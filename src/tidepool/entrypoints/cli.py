@@ -6,6 +6,7 @@ Flag names follow `vllm serve` so that scripts port by changing the program name
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -55,6 +56,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate"])
     parser.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"])
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--hf-overrides",
+        type=json.loads,
+        default=None,
+        help="JSON object of config.json keys to replace (e.g. an LLM reranker's)",
+    )
+    parser.add_argument(
+        "--score-template",
+        default=None,
+        help="LLM rerankers: the pair prompt with {query} and {document}, a file, or a built-in",
+    )
+    parser.add_argument("--score-instruction", default=None, help="the template's {instruction}")
     for flag, kind in _IGNORED_VLLM_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
     for flag in _IGNORED_VLLM_SWITCHES:
@@ -76,6 +89,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "runner": args.runner,
         "convert": args.convert,
         "trust_remote_code": args.trust_remote_code,
+        "hf_overrides": args.hf_overrides,
+        "score_template": args.score_template,
+        "score_instruction": args.score_instruction,
     }
 
 

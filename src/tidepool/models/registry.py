@@ -45,6 +45,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
     "Qwen3Model": ("llama", "Qwen3Model"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    # Causal decoders with a classification head on the last token (LLM rerankers).
+    "LlamaForSequenceClassification": ("causal_classifier", "LlamaForSequenceClassification"),
+    "MistralForSequenceClassification": ("causal_classifier", "MistralForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("causal_classifier", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("causal_classifier", "Qwen3ForSequenceClassification"),
     # Hybrid sliding-window / full attention: two KV-cache groups in one block pool.
     "Gemma2Model": ("gemma", "Gemma2Model"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),

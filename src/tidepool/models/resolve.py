@@ -73,9 +73,11 @@ def build_model_config(
     seed: int = 0,
     trust_remote_code: bool = False,
     model_impl: str = "auto",
+    hf_overrides: dict[str, Any] | None = None,
 ) -> ModelConfig:
     """The ModelConfig of `model` (a folder or a model id found offline); raises ValueError for a
-    choice the model cannot run (a runner without a head, a dtype, a too long max_model_len)."""
+    choice the model cannot run (a runner without a head, a dtype, a too long max_model_len).
+    `hf_overrides` (vLLM's name) replaces keys of config.json's config before anything reads it."""
     from transformers import AutoConfig
 
     if runner not in RUNNERS:
@@ -84,6 +86,8 @@ def build_model_config(
         raise ValueError(f"convert must be auto, embed or classify, got {convert!r}")
     path = resolve_model_path(model)
     hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if hf_overrides:
+        hf_config.update(dict(hf_overrides))  # top-level keys, as vLLM's dict form
     resolved = resolve_model(hf_config, path, runner, convert, model_impl, trust_remote_code)
     st = load_sentence_transformers_meta(path)
     torch_device = torch.device(device) if device else default_device()
@@ -122,8 +126,15 @@ def resolve_model(
     output_head = "task" if head is None else head.output_head
     sparse = None if head is None else head.sparse
     if impl == "native":
+        if getattr(hf_config, "classifier_from_token", None):
+            _set_classifier_from_token(hf_config, path, arch)
         is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
         return ResolvedModel(task, arch, impl, is_causal, None, output_head, sparse)
+    if getattr(hf_config, "classifier_from_token", None):
+        raise ValueError(
+            f"classifier_from_token needs tidepool's native {arch}; the transformers backend "
+            "and the fallback read the checkpoint's own head"
+        )
     from tidepool.models.fallback import inspect_fallback
     from tidepool.models.transformers_attention import UnsupportedAttentionError
     from tidepool.models.transformers_backend import inspect_hf_model
@@ -216,6 +227,46 @@ def _m3_skip(path: Path) -> tuple[int, ...]:
     return tuple(sorted({int(tokenizer.convert_tokens_to_ids(t)) for t in tokens if t is not None}))
 
 
+def _set_classifier_from_token(hf_config: Any, path: Path, arch: str) -> None:
+    """hf_overrides' `classifier_from_token` (vLLM's): the head is built from the LM head's rows of
+    these tokens (models/causal_classifier.py). Writes the token ids, the method and num_labels
+    into `hf_config` (the model class reads nothing else)."""
+    from tidepool.models.causal_classifier import SEQ_CLS_METHODS
+
+    if not arch.endswith("ForSequenceClassification"):
+        raise ValueError(
+            f"classifier_from_token needs a sequence-classification architecture, got {arch} "
+            '(add "architectures": ["<Model>ForSequenceClassification"] or convert="classify")'
+        )
+    tokens = list(hf_config.classifier_from_token)
+    default = (
+        "from_2_way_softmax" if getattr(hf_config, "is_original_qwen3_reranker", False) else None
+    )
+    method = getattr(hf_config, "method", None) or default or "no_post_processing"
+    if method not in SEQ_CLS_METHODS:
+        raise ValueError(f"method must be one of {', '.join(SEQ_CLS_METHODS)}, got {method!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(
+            f"from_2_way_softmax needs two tokens [false, true] in classifier_from_token, got {tokens}"
+        )
+    hf_config.classifier_from_token_ids = [_token_id(path, token) for token in tokens]
+    hf_config.classifier_method = method
+    hf_config.num_labels = 1 if method == "from_2_way_softmax" else len(tokens)
+
+
+def _token_id(path: Path, token: str) -> int:
+    """The vocabulary id of `token` (one token, as the tokenizer spells it)."""
+    from tokenizers import Tokenizer
+
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ValueError(f"classifier_from_token needs the model's tokenizer.json in {path}")
+    token_id = Tokenizer.from_file(str(tokenizer_file)).token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"classifier_from_token: {token!r} is not one token of the vocabulary")
+    return int(token_id)
+
+
 def _checkpoint_architecture(hf_config: Any) -> str:
     """config.json's first architecture, else the bare body of its config class."""
     archs = list(getattr(hf_config, "architectures", None) or [])
@@ -242,7 +293,8 @@ def _resolve_task(
     """(task, architecture to build) from the checkpoint's architecture and the user's choice.
 
     *ForCausalLM generates unless a pooling runner or a convert is asked for (then its body
-    embeds, e.g. e5-mistral); *ForSequenceClassification classifies; anything else embeds.
+    embeds, e.g. e5-mistral, or with convert="classify" its *ForSequenceClassification scores);
+    *ForSequenceClassification classifies; anything else embeds.
     """
     if runner == "generate":
         return "generate", _causal_lm(arch, convert, model_impl)
@@ -250,6 +302,9 @@ def _resolve_task(
     if convert == "embed":
         return "embed", _base_architecture(arch)
     if convert == "classify":
+        if arch.endswith("ForCausalLM"):
+            # The checkpoint's score.weight, or hf_overrides' classifier_from_token rows.
+            return "classify", arch.removesuffix("ForCausalLM") + "ForSequenceClassification"
         if not is_classifier:
             raise ValueError(
                 f"convert='classify' needs a model with a classification head; {arch} has none"
