@@ -19,7 +19,8 @@ import pytest
 from test_prefix_tokenizer import PIECES
 
 from tidepool.engine import prefix_tokenizer
-from tidepool.engine.input_processor import InputProcessor, longest_first
+from tidepool.engine.input_processor import InputProcessor
+from tidepool.engine.truncation import longest_first
 from tidepool.models.resolve import build_model_config
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams

@@ -30,6 +30,7 @@ from tidepool.engine.prefix_tokenizer import (
 )
 from tidepool.engine.score_template import ScoreTemplate, render_pairs
 from tidepool.engine.text_checks import unicode_problem
+from tidepool.engine.truncation import Budget, keep, keeps_last, longest_first
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
@@ -43,39 +44,6 @@ PROMPT_TYPES_HINT = (
 class _Parsed:
     text: str | None = None
     token_ids: list[int] | None = None
-
-
-@dataclass(frozen=True)
-class _Budget:
-    """How many tokens of text (special tokens excluded) one prompt may have."""
-
-    num_tokens: int
-    """Tokens of text the prompt may keep."""
-    truncate: bool
-    """A longer text is cut to `num_tokens` (truncate_prompt_tokens); else it is refused."""
-
-    @property
-    def num_wanted(self) -> int:
-        """Tokens to read from the text: one more than it may keep tells that it is too long."""
-        return max(self.num_tokens, 0) + (0 if self.truncate else 1)
-
-
-def longest_first(num_first: int, num_second: int, budget: int) -> tuple[int, int]:
-    """Tokens kept of each text of a pair: the tokenizers library's "longest_first" truncation
-    (the longer text is cut first; when both are longer than half, the budget is split, the odd
-    token to the longer one). One difference: when both texts are longer than the whole budget,
-    the first keeps budget // 2 and the second the rest, whichever is longer: knowing which is
-    would mean reading both texts whole."""
-    if num_first + num_second <= budget:
-        return num_first, num_second
-    half = budget // 2
-    if num_first > budget and num_second > budget:
-        return half, budget - half
-    if 2 * min(num_first, num_second) > budget:
-        return (budget - half, half) if num_first > num_second else (half, budget - half)
-    if num_first <= num_second:
-        return num_first, budget - num_first
-    return budget - num_second, num_second
 
 
 def _describe(value: Any) -> str:
@@ -165,12 +133,12 @@ class InputProcessor:
             )
         return tpt
 
-    def _budget(self, params: PoolingParams, pair: bool) -> _Budget | str:
+    def _budget(self, params: PoolingParams, pair: bool) -> Budget | str:
         """Text prompts: the tokens of text one prompt may keep, or why `params` cannot work."""
         num_special = self._num_special_pair if pair else self._num_special
         tpt = params.truncate_prompt_tokens
         if tpt is None:
-            return _Budget(self.max_model_len - num_special, truncate=False)
+            return Budget(self.max_model_len - num_special, truncate=False)
         if tpt > self.max_model_len:
             return f"truncate_prompt_tokens={tpt} is larger than max_model_len={self.max_model_len}"
         total = self.max_model_len if tpt == -1 else tpt
@@ -183,7 +151,7 @@ class InputProcessor:
                 f"{'each text' if pair else 'the text'} must stay, so it must be at least "
                 f"{num_special + min_text} (or -1 for max_model_len)"
             )
-        return _Budget(total - num_special, truncate=True)
+        return Budget(total - num_special, truncate=True)
 
     def _check_len(self, num_tokens: int) -> str | None:
         if num_tokens > self.max_model_len:
@@ -218,7 +186,7 @@ class InputProcessor:
     ) -> list[Request | RequestError]:
         """One request (or error) per prompt, in order. Texts are tokenized in batched calls."""
         results: list[Request | RequestError | None] = [None] * len(prompts)
-        texts: list[tuple[int, str, _Budget]] = []
+        texts: list[tuple[int, str, Budget]] = []
         for i, prompt in enumerate(prompts):
             p = self._parse(prompt)
             if isinstance(p, str):
@@ -229,7 +197,7 @@ class InputProcessor:
                 except ValueError as e:
                     results[i] = RequestError(i, str(e))
                     continue
-                ids = _keep(p.token_ids, max_len, params[i].truncation_side)
+                ids = keep(p.token_ids, max_len, params[i].truncation_side)
                 results[i] = self._make(i, ids, None, params[i])
             elif isinstance(budget := self._budget(params[i], pair=False), str):
                 results[i] = RequestError(i, budget)
@@ -247,7 +215,7 @@ class InputProcessor:
         return results  # type: ignore[return-value]
 
     def _finish_text(
-        self, index: int, text: str, first: FirstTokens, budget: _Budget, params: PoolingParams
+        self, index: int, text: str, first: FirstTokens, budget: Budget, params: PoolingParams
     ) -> Request | RequestError:
         if not first.complete:
             if first.num_tokens < budget.num_wanted:
@@ -259,7 +227,7 @@ class InputProcessor:
                 message = self._too_long("the prompt", num_tokens, first.num_chars_read, len(text))
                 return RequestError(index, message)
         num_kept = budget.num_tokens if budget.truncate else None
-        ids = _keep(first.token_ids, num_kept, params.truncation_side)
+        ids = keep(first.token_ids, num_kept, params.truncation_side)
         ids, types = self._prefix_tokenizer.with_special_tokens(ids)
         return self._make(index, ids, types if self.keep_token_types else None, params)
 
@@ -271,7 +239,7 @@ class InputProcessor:
         if self.score_template is not None:
             return self._process_templated(pairs, params, self.score_template)
         results: list[Request | RequestError | None] = [None] * len(pairs)
-        ok: list[tuple[int, _Budget]] = []
+        ok: list[tuple[int, Budget]] = []
         for i, (first, second) in enumerate(pairs):
             errors = [
                 msg
@@ -294,7 +262,7 @@ class InputProcessor:
         sides = self._prefix_tokenizer.first_tokens(
             [pairs[i][side] for side in (0, 1) for i, _ in ok],
             [
-                len(pairs[i][side]) if _keeps_last(b, params[i]) else b.num_tokens + 1
+                len(pairs[i][side]) if keeps_last(b, params[i]) else b.num_tokens + 1
                 for side in (0, 1)
                 for i, b in ok
             ],
@@ -310,7 +278,7 @@ class InputProcessor:
         index: int,
         texts: tuple[str, str],
         sides: tuple[FirstTokens, FirstTokens],
-        budget: _Budget,
+        budget: Budget,
         params: PoolingParams,
     ) -> Request | RequestError:
         first, second = sides
@@ -326,8 +294,8 @@ class InputProcessor:
             keep_first, keep_second = longest_first(
                 first.num_tokens, second.num_tokens, budget.num_tokens
             )
-            first_ids = _keep(first.token_ids, keep_first, params.truncation_side)
-            second_ids = _keep(second.token_ids, keep_second, params.truncation_side)
+            first_ids = keep(first.token_ids, keep_first, params.truncation_side)
+            second_ids = keep(second.token_ids, keep_second, params.truncation_side)
         elif not (first.complete and second.complete):  # a side over the budget: too long
             return RequestError(
                 index,
@@ -344,14 +312,14 @@ class InputProcessor:
         return self._make(index, ids, types if self.keep_token_types else None, params)
 
     @staticmethod
-    def _num_to_read(text: str, budget: _Budget, params: PoolingParams) -> int:
+    def _num_to_read(text: str, budget: Budget, params: PoolingParams) -> int:
         """Tokens to read from a text: keeping the last ones needs them all (wanting as many
         tokens as characters makes the read limit cover the whole text)."""
-        return len(text) if _keeps_last(budget, params) else budget.num_wanted
+        return len(text) if keeps_last(budget, params) else budget.num_wanted
 
-    def _left_read_error(self, text: str, budget: _Budget, params: PoolingParams) -> str | None:
+    def _left_read_error(self, text: str, budget: Budget, params: PoolingParams) -> str | None:
         limit = read_limit(self.max_model_len)
-        if _keeps_last(budget, params) and len(text) > limit:
+        if keeps_last(budget, params) and len(text) > limit:
             return (
                 f"the text has {len(text):,} characters; truncation from the left keeps the last "
                 "tokens, which needs the whole text read, and tidepool reads at most "
@@ -498,19 +466,6 @@ class InputProcessor:
                 )
                 out.append(ids)
         return out
-
-
-def _keeps_last(budget: _Budget, params: PoolingParams) -> bool:
-    return budget.truncate and params.truncation_side == "left"
-
-
-def _keep(token_ids: list[int], num_tokens: int | None, side: str) -> list[int]:
-    """The first `num_tokens` ids ("right": the end is cut), or the last ("left"); None = all."""
-    if num_tokens is None:
-        return token_ids
-    if side == "left":
-        return token_ids[max(len(token_ids) - num_tokens, 0) :]
-    return token_ids[:num_tokens]
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
