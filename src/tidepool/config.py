@@ -52,6 +52,30 @@ class SentenceTransformersMeta:
 
 
 @dataclass(frozen=True)
+class MultiVectorMeta:
+    """A ColBERT (late-interaction) model: one vector per token, queries and documents encoded
+    by different rules (the colbert-ir and PyLate layouts; models/colbert.py reads them)."""
+
+    query_prefix: str | None
+    """Marker token inserted after the first special token of a query ("[unused0]", "[Q] ");
+    None: no marker."""
+    document_prefix: str | None
+    """Marker token inserted after the first special token of a document; None: no marker."""
+    query_length: int = 32
+    """A query's length in tokens, marker and special tokens included: longer ones are cut,
+    shorter ones padded with [MASK] when `do_query_expansion` (colbert-ir's query_maxlen)."""
+    document_length: int = 180
+    """Most tokens of a document, marker and special tokens included (doc_maxlen)."""
+    do_query_expansion: bool = True
+    """Pad queries with [MASK] to `query_length` (query augmentation)."""
+    attend_to_expansion_tokens: bool = False
+    """The [MASK] tokens are attended to by the others. tidepool always attends them (its
+    attention has no key mask): see docs/server.md, "Multi-vector models"."""
+    skiplist_words: tuple[str, ...] = ()
+    """Tokens whose vectors are dropped from documents (punctuation: mask_punctuation)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The model: where it is, what it is, what it runs as (models/resolve.py builds it)."""
 
@@ -85,6 +109,9 @@ class ModelConfig:
     tidepool's attention: models/transformers_backend.py)."""
     trust_remote_code: bool = False
     """The transformers backend may run modeling code shipped in the model folder."""
+    multi_vector: MultiVectorMeta | None = None
+    """A ColBERT model (late interaction): it serves token_embed (by default) and scores by
+    MaxSim; None for every other model."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or self.max_model_len < 1:
@@ -104,6 +131,8 @@ class ModelConfig:
             return ()
         if self.task == "classify":
             return ("classify", "score") if self.num_labels == 1 else ("classify",)
+        if self.multi_vector is not None:
+            return ("token_embed",)
         return ("embed", "token_embed")
 
     @property

@@ -25,8 +25,14 @@ class PoolingParams:
     """Classify / score: apply softmax (sigmoid for one label). None = yes."""
     truncate_prompt_tokens: int | None = None
     """Keep at most this many tokens (special tokens included); -1 = the model's max length."""
+    prompt_name: str | None = None
+    """The model's prompt (config_sentence_transformers.json) put before the text; None = its
+    default_prompt_name. ColBERT models: "query" or "document" (the default) chooses how the
+    text is encoded. Token-id prompts get no prompt (engine/prompts.py)."""
 
     def __post_init__(self) -> None:
+        if self.prompt_name is not None and not isinstance(self.prompt_name, str):
+            raise ValueError(f"prompt_name must be a string, got {self.prompt_name!r}")
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"unknown pooling task {self.task!r}; expected one of {POOLING_TASKS}")
         if self.dimensions is not None:
@@ -48,6 +54,7 @@ class PoolingParams:
             normalize=self.normalize,
             activation=self.activation,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_name=self.prompt_name,
         )
 
 

@@ -172,7 +172,9 @@ class AsyncEngine:
             # instance may be changing its truncation settings at the same moment.
             detokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
             self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
-        self._engine = LLMEngine(config, detokenizer=detokenizer)
+        self._engine = LLMEngine(
+            config, detokenizer=detokenizer, multi_vector=self.input_processor.multi_vector
+        )
         """Touched by the engine thread only (after start())."""
         self._stop: _Stop | None = None
         """The stop command the engine thread got (engine thread only)."""

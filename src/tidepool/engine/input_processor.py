@@ -26,6 +26,8 @@ from tidepool.engine.prefix_tokenizer import (
     PrefixTokenizer,
     read_limit,
 )
+from tidepool.engine.multi_vector import MultiVectorInputs
+from tidepool.engine.prompts import check_prompt_name, is_query, prompt_text
 from tidepool.engine.text_checks import unicode_problem
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
@@ -101,6 +103,11 @@ class InputProcessor:
         st = model_config.st
         self.lower_case = st.do_lower_case
         self.default_prompt = st.prompts.get(st.default_prompt_name or "", "")
+        self.multi_vector = (
+            None
+            if model_config.multi_vector is None
+            else MultiVectorInputs.build(model_config.multi_vector, self.tokenizer)
+        )
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:
@@ -141,8 +148,23 @@ class InputProcessor:
         return _Parsed(token_ids=list(ids))
 
     def _prepare_text(self, text: str) -> str:
-        text = self.default_prompt + text
         return text.lower() if self.lower_case else text
+
+    def _prepare_pair_text(self, text: str) -> str:
+        return self._prepare_text(self.default_prompt + text)
+
+    def _is_multi_vector(self, params: PoolingParams) -> bool:
+        return self.multi_vector is not None and params.task == "token_embed"
+
+    def _text_budget(self, params: PoolingParams) -> _Budget | str:
+        """A text prompt's budget: a ColBERT query or document is cut to its length (as
+        PyLate), and further by truncate_prompt_tokens when that is smaller."""
+        budget = self._budget(params, pair=False)
+        if isinstance(budget, str) or not self._is_multi_vector(params):
+            return budget
+        query = is_query(self.model_config, params.prompt_name)
+        num_tokens = self.multi_vector.num_text_tokens(query, self._num_special)  # type: ignore[union-attr]
+        return _Budget(min(num_tokens, budget.num_tokens), truncate=True)
 
     def _truncation(self, params: PoolingParams) -> int | None:
         """Token-id prompts: how many ids to keep (None: all)."""
@@ -213,6 +235,10 @@ class InputProcessor:
         texts: list[tuple[int, str, _Budget]] = []
         for i, prompt in enumerate(prompts):
             p = self._parse(prompt)
+            try:
+                check_prompt_name(self.model_config, params[i].prompt_name)
+            except ValueError as e:
+                p = str(e)
             if isinstance(p, str):
                 results[i] = RequestError(i, p)
             elif p.token_ids is not None:
@@ -223,10 +249,12 @@ class InputProcessor:
                     continue
                 ids = p.token_ids if max_len is None else p.token_ids[:max_len]
                 results[i] = self._make(i, ids, None, params[i])
-            elif isinstance(budget := self._budget(params[i], pair=False), str):
+            elif isinstance(budget := self._text_budget(params[i]), str):
                 results[i] = RequestError(i, budget)
             else:
-                texts.append((i, p.text, budget))  # type: ignore[arg-type]
+                # The prompt goes before the text (sentence-transformers' encode(prompt_name=)).
+                prefix = prompt_text(self.model_config, params[i].prompt_name)
+                texts.append((i, prefix + p.text, budget))  # type: ignore[operator]
         firsts = self._prefix_tokenizer.first_tokens(
             [text for _, text, _ in texts], [b.num_wanted for *_, b in texts], self._prepare_text
         )
@@ -248,6 +276,9 @@ class InputProcessor:
                 return RequestError(index, message)
         ids = first.token_ids[: budget.num_tokens] if budget.truncate else first.token_ids
         ids, types = self._prefix_tokenizer.with_special_tokens(ids)
+        if self._is_multi_vector(params):
+            query = is_query(self.model_config, params.prompt_name)
+            return self._make(index, self.multi_vector.shape(ids, query), None, params)  # type: ignore[union-attr]
         return self._make(index, ids, types if self.keep_token_types else None, params)
 
     def process_pairs(
@@ -274,7 +305,7 @@ class InputProcessor:
         sides = self._prefix_tokenizer.first_tokens(
             [pairs[i][0] for i, _ in ok] + [pairs[i][1] for i, _ in ok],
             wanted + wanted,
-            self._prepare_text,
+            self._prepare_pair_text,
         )
         for k, (i, budget) in enumerate(ok):
             both = (sides[k], sides[len(ok) + k])

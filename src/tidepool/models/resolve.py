@@ -20,6 +20,7 @@ import torch
 
 from tidepool import envs
 from tidepool.config import ModelConfig, SentenceTransformersMeta
+from tidepool.models.colbert import COLBERT_IR_ARCHITECTURES, load_multi_vector
 from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
 from tidepool.models.registry import get_model_class, has_implementation, resolve_model_impl
 
@@ -82,6 +83,13 @@ def build_model_config(
     hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     resolved = resolve_model(hf_config, path, runner, convert, model_impl, trust_remote_code)
     st = load_sentence_transformers_meta(path)
+    # A ColBERT checkpoint (colbert-ir or PyLate layout) is a multi-vector model: token_embed by
+    # default, MaxSim scores (models/colbert.py).
+    multi_vector = None
+    if resolved.task == "embed" and (
+        found := load_multi_vector(path, _checkpoint_architecture(hf_config), st)
+    ):
+        multi_vector, st = found
     torch_device = torch.device(device) if device else default_device()
     return ModelConfig(
         model=str(model),
@@ -98,6 +106,7 @@ def build_model_config(
         eos_token_ids=_eos_token_ids(path, hf_config),
         model_impl=resolved.model_impl,
         trust_remote_code=trust_remote_code,
+        multi_vector=multi_vector,
     )
 
 
@@ -124,6 +133,8 @@ def _checkpoint_architecture(hf_config: Any) -> str:
 
 
 def _base_architecture(arch: str) -> str:
+    if arch in COLBERT_IR_ARCHITECTURES:
+        return COLBERT_IR_ARCHITECTURES[arch]
     if arch in _CAUSAL_LM_BODIES:
         return _CAUSAL_LM_BODIES[arch]
     for suffix in (
