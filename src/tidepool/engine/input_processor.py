@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidepool.config import ModelConfig
+from tidepool.engine.multi_vector import MultiVectorInputs
 from tidepool.engine.prefix_tokenizer import (
     CHARS_PER_TOKEN,
     FirstTokens,
     PrefixTokenizer,
     read_limit,
 )
-from tidepool.engine.multi_vector import MultiVectorInputs
 from tidepool.engine.prompts import check_prompt_name, is_query, prompt_text
 from tidepool.engine.text_checks import unicode_problem
 from tidepool.outputs import RequestError

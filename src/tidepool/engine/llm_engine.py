@@ -36,8 +36,8 @@ from tidepool.core.outputs import EngineCoreOutput, PoolingCoreOutput
 from tidepool.engine.engine_core import EngineCore, StepFailedError
 from tidepool.engine.generation_stream import GenerationInput
 from tidepool.engine.multi_vector import MultiVectorInputs
-from tidepool.engine.prompts import is_query
 from tidepool.engine.output_processor import OutputProcessor
+from tidepool.engine.prompts import is_query
 from tidepool.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from tidepool.request import Request
 
