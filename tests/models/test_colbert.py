@@ -288,3 +288,38 @@ def test_pylate_reference_when_installed(colbert_paths, colbert_llm):
     expected = model.encode(DOCUMENTS, is_query=False, convert_to_tensor=False)
     actual = [o.outputs.data for o in llm.encode(DOCUMENTS, use_tqdm=False)]
     _assert_close(actual, [torch.as_tensor(e) for e in expected])
+
+
+def test_server_score_rerank_and_pooling(colbert_paths, colbert_llm):
+    """/score, /rerank (v1, v2) score by MaxSim as LLM.score does; /pooling returns the vectors;
+    an unknown prompt_name is a 400 naming the model's prompts."""
+    from fastapi.testclient import TestClient
+
+    from tidepool.engine.async_engine import AsyncEngine
+    from tidepool.entrypoints.openai.server import build_app
+
+    llm = colbert_llm("pylate")
+    expected = [o.outputs.score for o in llm.score(QUERIES[0], DOCUMENTS, use_tqdm=False)]
+    engine = AsyncEngine.from_args(str(colbert_paths["pylate"]), device="cpu", dtype="float32")
+    with TestClient(build_app(engine)) as client:
+        answer = client.post("/score", json={"text_1": QUERIES[0], "text_2": DOCUMENTS})
+        assert answer.status_code == 200, answer.text
+        scores = [d["score"] for d in answer.json()["data"]]
+        assert max(abs(a - b) for a, b in zip(scores, expected, strict=True)) < 1e-5
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            answer = client.post(path, json={"query": QUERIES[0], "documents": DOCUMENTS})
+            assert answer.status_code == 200, answer.text
+            results = answer.json()["results"]
+            assert [r["index"] for r in results] == sorted(
+                range(len(DOCUMENTS)), key=lambda i: -expected[i]
+            )
+        answer = client.post("/pooling", json={"input": QUERIES[0], "prompt_name": "query"})
+        assert answer.status_code == 200, answer.text
+        [query] = llm.encode(QUERIES[0], prompt_name="query", use_tqdm=False)
+        got = torch.tensor(answer.json()["data"][0]["data"])
+        _assert_close([got], [query.outputs.data])
+        answer = client.post("/pooling", json={"input": "x", "prompt_name": "passage"})
+        assert answer.status_code == 400
+        assert "document, query" in answer.json()["error"]["message"]
+        answer = client.post("/v1/embeddings", json={"input": "x"})
+        assert answer.status_code == 400

@@ -114,6 +114,9 @@ class EmbeddingRequest(OpenAIBaseModel):
     """Keep the first N tokens of each input; -1 = the model's maximum (vLLM extension)."""
     normalize: Bool | None = None
     """L2-normalize (vLLM extension); None = what the model's configuration says."""
+    prompt_name: Str | None = None
+    """One of the model's prompts (config_sentence_transformers.json), put before each input
+    (TEI's field); None = its default_prompt_name. ColBERT models: "query" or "document"."""
 
 
 class EmbeddingResponseData(OpenAIBaseModel):
