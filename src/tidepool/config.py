@@ -75,6 +75,38 @@ class MultiVectorMeta:
     """Tokens whose vectors are dropped from documents (punctuation: mask_punctuation)."""
 
 
+CHUNK_SCORE_AGGREGATIONS = ("max", "mean", "first")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How pooled outputs are made beyond the model's own files (vLLM's --pooler-config)."""
+
+    enable_chunked_processing: bool = False
+    """A text longer than max_model_len is split into chunks that each fit (special tokens
+    added to each), run as separate sequences, and their outputs combined (engine/chunked.py);
+    off: such a text is refused, as before."""
+    max_embed_len: int | None = None
+    """With chunked processing: the longest input accepted, in tokens of text; None: any (the
+    whole text is then tokenized)."""
+    chunk_score_aggregation: str = "max"
+    """Cross-encoders with chunked processing: a long document's score from its chunks' scores
+    (each chunk paired with the query): "max", "mean" or "first"."""
+
+    def __post_init__(self) -> None:
+        if self.max_embed_len is not None and (
+            isinstance(self.max_embed_len, bool)
+            or not isinstance(self.max_embed_len, int)
+            or self.max_embed_len < 1
+        ):
+            raise ValueError(f"max_embed_len must be an integer >= 1, got {self.max_embed_len!r}")
+        if self.chunk_score_aggregation not in CHUNK_SCORE_AGGREGATIONS:
+            raise ValueError(
+                f"chunk_score_aggregation must be one of {', '.join(CHUNK_SCORE_AGGREGATIONS)}, "
+                f"got {self.chunk_score_aggregation!r}"
+            )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model: where it is, what it is, what it runs as (models/resolve.py builds it)."""
@@ -112,6 +144,8 @@ class ModelConfig:
     multi_vector: MultiVectorMeta | None = None
     """A ColBERT model (late interaction): it serves token_embed (by default) and scores by
     MaxSim; None for every other model."""
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)
+    """Pooler options given by the user (chunked processing of long inputs)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or self.max_model_len < 1:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tidepool import envs
-from tidepool.config import CacheConfig, EngineConfig, SchedulerConfig
+from tidepool.config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.models.resolve import build_model_config
 
@@ -61,6 +61,9 @@ class EngineArgs:
     """Sliding-window layers keep every block like full attention."""
     model_impl: str = "auto"
     """ "native", "transformers" or "auto" (native where tidepool has the architecture)."""
+    pooler_config: PoolerConfig | dict[str, Any] | None = None
+    """Pooler options (vLLM's): {"enable_chunked_processing": true, "max_embed_len": N,
+    "chunk_score_aggregation": "max"}; None: the defaults (long inputs refused)."""
 
     def to_engine_config(self, model: str) -> EngineConfig:
         """The frozen engine configuration (reads the model's config files; loads no weights and
@@ -76,6 +79,11 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             model_impl=self.model_impl,
         )
+        if self.pooler_config is not None:
+            pooler = self.pooler_config
+            if isinstance(pooler, dict):
+                pooler = PoolerConfig(**pooler)
+            model_config = replace(model_config, pooler=pooler)
         # Encoders run each prompt whole; causal models with chunked prefill do not need to.
         whole_prompts = not model_config.is_causal or not self.enable_chunked_prefill
         max_num_batched_tokens = self.max_num_batched_tokens

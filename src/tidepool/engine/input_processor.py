@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidepool.config import ModelConfig
+from tidepool.engine.chunked import ChunkedInput, LongInputSplitter
 from tidepool.engine.multi_vector import MultiVectorInputs
 from tidepool.engine.prefix_tokenizer import (
     CHARS_PER_TOKEN,
@@ -109,6 +110,9 @@ class InputProcessor:
             else MultiVectorInputs.build(model_config.multi_vector, self.tokenizer)
         )
         self._ids = itertools.count()
+        self._long = LongInputSplitter.for_model(
+            model_config, self._prefix_tokenizer, self._prepare_text, self._make
+        )
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -157,8 +161,7 @@ class InputProcessor:
         return self.multi_vector is not None and params.task == "token_embed"
 
     def _text_budget(self, params: PoolingParams) -> _Budget | str:
-        """A text prompt's budget: a ColBERT query or document is cut to its length (as
-        PyLate), and further by truncate_prompt_tokens when that is smaller."""
+        """A text's budget; a ColBERT query or document is cut to its length (as PyLate)."""
         budget = self._budget(params, pair=False)
         if isinstance(budget, str) or not self._is_multi_vector(params):
             return budget
@@ -229,9 +232,10 @@ class InputProcessor:
 
     def process(
         self, prompts: Sequence[Any], params: Sequence[PoolingParams]
-    ) -> list[Request | RequestError]:
-        """One request (or error) per prompt, in order. Texts are tokenized in batched calls."""
-        results: list[Request | RequestError | None] = [None] * len(prompts)
+    ) -> list[Request | RequestError | ChunkedInput]:
+        """One request (or error) per prompt, in order. Texts are tokenized in batched calls.
+        With chunked processing, a text too long for the model becomes a ChunkedInput."""
+        results: list[Request | RequestError | ChunkedInput | None] = [None] * len(prompts)
         texts: list[tuple[int, str, _Budget]] = []
         for i, prompt in enumerate(prompts):
             p = self._parse(prompt)
@@ -258,8 +262,14 @@ class InputProcessor:
         firsts = self._prefix_tokenizer.first_tokens(
             [text for _, text, _ in texts], [b.num_wanted for *_, b in texts], self._prepare_text
         )
+        long_texts = []
         for (i, text, budget), first in zip(texts, firsts, strict=True):
-            results[i] = self._finish_text(i, text, first, budget, params[i])
+            if self._long and self._long.takes_text(params[i], first, budget):
+                long_texts.append((i, text, params[i]))
+            else:
+                results[i] = self._finish_text(i, text, first, budget, params[i])
+        for i, item in self._long.texts(long_texts) if long_texts else ():  # type: ignore[union-attr]
+            results[i] = item
         return results  # type: ignore[return-value]
 
     def _finish_text(
@@ -283,9 +293,10 @@ class InputProcessor:
 
     def process_pairs(
         self, pairs: Sequence[tuple[Any, Any]], params: Sequence[PoolingParams]
-    ) -> list[Request | RequestError]:
-        """Cross-encoder inputs: (query, document) text pairs, encoded together with token types."""
-        results: list[Request | RequestError | None] = [None] * len(pairs)
+    ) -> list[Request | RequestError | ChunkedInput]:
+        """Cross-encoder inputs: (query, document) text pairs, encoded together with token types.
+        With chunked processing, a pair too long for the model becomes a ChunkedInput."""
+        results: list[Request | RequestError | ChunkedInput | None] = [None] * len(pairs)
         ok: list[tuple[int, _Budget]] = []
         for i, (first, second) in enumerate(pairs):
             errors = [
@@ -307,9 +318,16 @@ class InputProcessor:
             wanted + wanted,
             self._prepare_pair_text,
         )
+        long_pairs = []
         for k, (i, budget) in enumerate(ok):
             both = (sides[k], sides[len(ok) + k])
-            results[i] = self._finish_pair(i, pairs[i], both, budget, params[i])
+            if self._long and self._long.takes_pair(params[i], both, budget):
+                doc = self.default_prompt + pairs[i][1]
+                long_pairs.append((i, both[0].token_ids, doc, params[i]))
+            else:
+                results[i] = self._finish_pair(i, pairs[i], both, budget, params[i])
+        for i, item in self._long.pairs(long_pairs) if long_pairs else ():  # type: ignore[union-attr]
+            results[i] = item
         return results  # type: ignore[return-value]
 
     def _finish_pair(

@@ -6,6 +6,7 @@ Flag names follow `vllm serve` so that scripts port by changing the program name
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -54,6 +55,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate"])
     parser.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"])
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--pooler-config",
+        type=json.loads,
+        default=None,
+        help="pooler options as JSON (vLLM's), e.g. '{\"enable_chunked_processing\": true, "
+        '"max_embed_len": 100000}\': inputs longer than max_model_len run in chunks',
+    )
     for flag, kind in _IGNORED_VLLM_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
     for flag in _IGNORED_VLLM_SWITCHES:
@@ -75,6 +83,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "runner": args.runner,
         "convert": args.convert,
         "trust_remote_code": args.trust_remote_code,
+        "pooler_config": args.pooler_config,
     }
 
 

@@ -19,6 +19,7 @@ from tidepool.engine.args import (
     build_engine_config,
     engine_args_from_vllm,
 )
+from tidepool.engine.chunked import combine, expand, has_chunks
 from tidepool.engine.engine_core import EngineCore, EngineMetrics
 from tidepool.engine.generation_stream import GenerationInput
 from tidepool.engine.input_processor import InputProcessor, eos_token_ids
@@ -169,7 +170,12 @@ class LLM:
     def _run(
         self, items: list[Request | RequestError], use_tqdm: bool
     ) -> tuple[list[PoolingRequestOutput | None], list[RequestError]]:
-        """Run every request; per-prompt errors are returned, never raised."""
+        """Run every request; per-prompt errors are returned, never raised. Long inputs run
+        in chunks whose outputs are combined (engine/chunked.py)."""
+        if has_chunks(items):
+            expansion = expand(items)
+            results, errors = self._run(expansion.flat, use_tqdm)
+            return combine(expansion, results, errors, self.model_config)
         errors = [item for item in items if isinstance(item, RequestError)]
         # Longest first: each step then packs sequences of similar length (cheaper attention).
         order = sorted(
