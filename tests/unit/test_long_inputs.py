@@ -154,3 +154,40 @@ def test_combine_scores_modes():
     assert float(combine_scores(scores, "mean")) == pytest.approx(0.5)
     assert float(combine_scores(scores, "first")) == pytest.approx(0.2)
     assert split_tokens(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_server_flag_and_routes(tiny_model_path, mean_llms, rerankers):
+    """`--pooler-config` reaches the engine; /v1/embeddings and /rerank take long inputs as the
+    offline LLM does."""
+    from fastapi.testclient import TestClient
+
+    from tidepool.engine.async_engine import AsyncEngine
+    from tidepool.entrypoints.cli import _engine_kwargs, build_parser
+    from tidepool.entrypoints.openai.server import build_app
+
+    args = build_parser().parse_args(
+        ["serve", "m", "--pooler-config", '{"enable_chunked_processing": true}']
+    )
+    assert _engine_kwargs(args)["pooler_config"] == CHUNKED
+    _, offline = mean_llms
+    [expected] = offline.embed([LONG], use_tqdm=False)
+    engine = AsyncEngine.from_args(
+        str(tiny_model_path("bert-mean")), max_model_len=MAX_LEN, pooler_config=CHUNKED
+    )
+    with TestClient(build_app(engine)) as client:
+        answer = client.post("/v1/embeddings", json={"input": [SHORT, LONG]})
+        assert answer.status_code == 200, answer.text
+        got = torch.tensor(answer.json()["data"][1]["embedding"])
+        assert torch.allclose(got, torch.tensor(expected.outputs.embedding), atol=1e-5)
+    _, offline_reranker = rerankers
+    scores = [o.outputs.score for o in offline_reranker.score(QUERY, [SHORT, LONG], use_tqdm=False)]
+    engine = AsyncEngine.from_args(
+        str(tiny_model_path("bert-cross-encoder")),
+        max_model_len=MAX_LEN * 2,
+        pooler_config=CHUNKED,
+    )
+    with TestClient(build_app(engine)) as client:
+        answer = client.post("/rerank", json={"query": QUERY, "documents": [SHORT, LONG]})
+        assert answer.status_code == 200, answer.text
+        by_index = {r["index"]: r["relevance_score"] for r in answer.json()["results"]}
+        assert abs(by_index[1] - scores[1]) < 1e-6 and abs(by_index[0] - scores[0]) < 1e-6
