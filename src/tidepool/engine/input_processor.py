@@ -111,7 +111,7 @@ class InputProcessor:
         )
         self._ids = itertools.count()
         self._long = LongInputSplitter.for_model(
-            model_config, self._prefix_tokenizer, self._prepare_text, self._make
+            model_config, self._prefix_tokenizer, self._lower, self._make
         )
 
     def next_request_id(self) -> str:
@@ -152,17 +152,17 @@ class InputProcessor:
         return _Parsed(token_ids=list(ids))
 
     def _prepare_text(self, text: str) -> str:
-        return text.lower() if self.lower_case else text
+        """A text with the default prompt, as the tokenizer gets it (pairs)."""
+        return self._lower(self.default_prompt + text)
 
-    def _prepare_pair_text(self, text: str) -> str:
-        return self._prepare_text(self.default_prompt + text)
+    def _lower(self, text: str) -> str:
+        return text.lower() if self.lower_case else text
 
     def _is_multi_vector(self, params: PoolingParams) -> bool:
         return self.multi_vector is not None and params.task == "token_embed"
 
     def _text_budget(self, params: PoolingParams) -> _Budget | str:
-        """A text's budget; a ColBERT query or document is cut to its length (as PyLate)."""
-        budget = self._budget(params, pair=False)
+        budget = self._budget(params, pair=False)  # a ColBERT text is cut to its length (PyLate)
         if isinstance(budget, str) or not self._is_multi_vector(params):
             return budget
         query = is_query(self.model_config, params.prompt_name)
@@ -260,7 +260,7 @@ class InputProcessor:
                 prefix = prompt_text(self.model_config, params[i].prompt_name)
                 texts.append((i, prefix + p.text, budget))  # type: ignore[operator]
         firsts = self._prefix_tokenizer.first_tokens(
-            [text for _, text, _ in texts], [b.num_wanted for *_, b in texts], self._prepare_text
+            [text for _, text, _ in texts], [b.num_wanted for *_, b in texts], self._lower
         )
         long_texts = []
         for (i, text, budget), first in zip(texts, firsts, strict=True):
@@ -316,7 +316,7 @@ class InputProcessor:
         sides = self._prefix_tokenizer.first_tokens(
             [pairs[i][0] for i, _ in ok] + [pairs[i][1] for i, _ in ok],
             wanted + wanted,
-            self._prepare_pair_text,
+            self._prepare_text,
         )
         long_pairs = []
         for k, (i, budget) in enumerate(ok):
