@@ -6,13 +6,16 @@ The reference follows pylate/models/colbert.py (tokenize / encode): texts are cu
 tokens (special tokens included), queries padded with [MASK] to that length, the marker inserted
 after [CLS], the body run with its attention mask, the projection applied, document rows of
 padding and skiplist tokens dropped, every row L2-normalized. When the `pylate` package imports
-(it cannot in the shared venv: it pins sentence-transformers 5.3), it is compared too.
+in a separate venv (it cannot share this one: it pins sentence-transformers 5.3), it is compared
+too (`test_matches_pylate_itself`, skipped without that venv).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import string
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -278,16 +281,45 @@ def test_bad_inputs(colbert_llm, minilm_llm):
         minilm_llm.encode("x", pooling_task="token_embed", prompt_name="query", use_tqdm=False)
 
 
-def test_pylate_reference_when_installed(colbert_paths, colbert_llm):
-    pylate_models = pytest.importorskip(
-        "pylate.models",
-        reason="pylate is not installed (it pins sentence-transformers 5.3 / transformers<=5.3)",
+PYLATE_PYTHON = os.environ.get("TIDEPOOL_PYLATE_PYTHON", "/tmp/pylate-venv/bin/python")
+"""A Python with pylate installed (it cannot share this venv: it pins sentence-transformers 5.3
+and transformers<=5.3): `python3 -m venv /tmp/pylate-venv && /tmp/pylate-venv/bin/pip install
+torch==2.13.0 pylate`."""
+
+_PYLATE_SCRIPT = """
+import sys, torch
+from pylate.models import ColBERT
+folder, out, queries, documents = sys.argv[1], sys.argv[2], sys.argv[3:4], sys.argv[4:]
+model = ColBERT(folder, device="cpu")
+q = model.encode(queries, is_query=True, convert_to_tensor=False)
+d = model.encode(documents, is_query=False, convert_to_tensor=False)
+torch.save({"queries": [torch.as_tensor(x) for x in q],
+            "documents": [torch.as_tensor(x) for x in d]}, out)
+"""
+
+
+@pytest.mark.parametrize("kind", ["colbert_ir", "pylate"])
+def test_matches_pylate_itself(kind, colbert_paths, colbert_llm, tmp_path):
+    if not Path(PYLATE_PYTHON).is_file():
+        pytest.skip(
+            f"no pylate venv at {PYLATE_PYTHON} (TIDEPOOL_PYLATE_PYTHON): pylate pins "
+            "sentence-transformers 5.3 / transformers<=5.3 and cannot be installed here"
+        )
+    out = tmp_path / "pylate.pt"
+    args = [str(colbert_paths[kind]), str(out), QUERIES[0], *DOCUMENTS]
+    done = subprocess.run(
+        [PYLATE_PYTHON, "-c", _PYLATE_SCRIPT, *args], capture_output=True, text=True, timeout=300
     )
-    model = pylate_models.ColBERT(str(colbert_paths["pylate"]), device="cpu")
-    llm = colbert_llm("pylate")
-    expected = model.encode(DOCUMENTS, is_query=False, convert_to_tensor=False)
-    actual = [o.outputs.data for o in llm.encode(DOCUMENTS, use_tqdm=False)]
-    _assert_close(actual, [torch.as_tensor(e) for e in expected])
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = torch.load(out)
+    llm = colbert_llm(kind)
+    queries = [o.outputs.data for o in llm.encode(QUERIES[:1], prompt_name="query", use_tqdm=False)]
+    documents = [o.outputs.data for o in llm.encode(DOCUMENTS, use_tqdm=False)]
+    _assert_close(queries, expected["queries"])
+    _assert_close(documents, expected["documents"])
+    scores = llm.score(QUERIES[0], DOCUMENTS, use_tqdm=False)
+    for out_score, doc in zip(scores, expected["documents"], strict=True):
+        assert abs(out_score.outputs.score - _maxsim(expected["queries"][0], doc)) < 1e-5
 
 
 def test_server_score_rerank_and_pooling(colbert_paths, colbert_llm):
