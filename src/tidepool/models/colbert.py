@@ -76,8 +76,8 @@ def load_multi_vector(
     if meta.do_query_expansion and not meta.attend_to_expansion_tokens:
         logging.getLogger("tidepool").warning(
             "%s: the query [MASK] tokens are not attended to in this ColBERT model; tidepool "
-            "attends them (its attention has no key mask), so query vectors differ slightly "
-            "from PyLate / colbert-ir (documents are exact)",
+            "attends them (its attention has no key mask yet), so query vectors and MaxSim "
+            "scores differ from PyLate / colbert-ir (documents are exact)",
             path,
         )
     # sentence_bert_config.json's max_seq_length is what PyLate used last (query or document
