@@ -58,7 +58,13 @@ def build_colbert(folder: Path) -> Path:
         torch.randn(DIM, config["hidden_size"]) / config["hidden_size"] ** 0.5
     )
     save_file(weights, str(folder / "model.safetensors"))
-    metadata = {"query_maxlen": 32, "doc_maxlen": DOC_LENGTH, "mask_punctuation": True}
+    metadata = {
+        "query_token_id": "[unused0]",
+        "doc_token_id": "[unused1]",
+        "query_maxlen": 32,
+        "doc_maxlen": DOC_LENGTH,
+        "mask_punctuation": True,
+    }
     (folder / "artifact.metadata").write_text(json.dumps(metadata))
     return folder
 
