@@ -73,6 +73,62 @@ OUTPUT_HEADS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
+class MultiVectorMeta:
+    """A ColBERT (late-interaction) model: one vector per token, queries and documents encoded
+    by different rules (the colbert-ir and PyLate layouts; models/colbert.py reads them)."""
+
+    query_prefix: str | None
+    """Marker token inserted after the first special token of a query ("[unused0]", "[Q] ");
+    None: no marker."""
+    document_prefix: str | None
+    """Marker token inserted after the first special token of a document; None: no marker."""
+    query_length: int = 32
+    """A query's length in tokens, marker and special tokens included: longer ones are cut,
+    shorter ones padded with [MASK] when `do_query_expansion` (colbert-ir's query_maxlen)."""
+    document_length: int = 180
+    """Most tokens of a document, marker and special tokens included (doc_maxlen)."""
+    do_query_expansion: bool = True
+    """Pad queries with [MASK] to `query_length` (query augmentation)."""
+    attend_to_expansion_tokens: bool = False
+    """The [MASK] tokens are attended to by the others. tidepool always attends them (its
+    attention has no key mask): see docs/server.md, "Multi-vector models"."""
+    skiplist_words: tuple[str, ...] = ()
+    """Tokens whose vectors are dropped from documents (punctuation: mask_punctuation)."""
+
+
+CHUNK_SCORE_AGGREGATIONS = ("max", "mean", "first")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How pooled outputs are made beyond the model's own files (vLLM's --pooler-config)."""
+
+    enable_chunked_processing: bool = False
+    """A text longer than max_model_len is split into chunks that each fit (special tokens
+    added to each), run as separate sequences, and their outputs combined (engine/chunked.py);
+    off: such a text is refused, as before."""
+    max_embed_len: int | None = None
+    """With chunked processing: the longest input accepted, in tokens of text; None: any (the
+    whole text is then tokenized)."""
+    chunk_score_aggregation: str = "max"
+    """Cross-encoders with chunked processing: a long document's score from its chunks' scores
+    (each chunk paired with the query): "max", "mean" or "first"."""
+
+    def __post_init__(self) -> None:
+        if self.max_embed_len is not None and (
+            isinstance(self.max_embed_len, bool)
+            or not isinstance(self.max_embed_len, int)
+            or self.max_embed_len < 1
+        ):
+            raise ValueError(f"max_embed_len must be an integer >= 1, got {self.max_embed_len!r}")
+        if self.chunk_score_aggregation not in CHUNK_SCORE_AGGREGATIONS:
+            raise ValueError(
+                f"chunk_score_aggregation must be one of {', '.join(CHUNK_SCORE_AGGREGATIONS)}, "
+                f"got {self.chunk_score_aggregation!r}"
+            )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The model: where it is, what it is, what it runs as (models/resolve.py builds it)."""
 
@@ -116,6 +172,11 @@ class ModelConfig:
     score_template: str | None = None
     """Decoder rerankers: the prompt each (query, document) pair is rendered into, with `{query}`
     and `{document}` (engine/score_template.py); None: the tokenizer's pair encoding."""
+    multi_vector: MultiVectorMeta | None = None
+    """A ColBERT model (late interaction): it serves token_embed (by default) and scores by
+    MaxSim; None for every other model."""
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)
+    """Pooler options given by the user (chunked processing of long inputs)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or self.max_model_len < 1:
@@ -144,6 +205,8 @@ class ModelConfig:
             return OUTPUT_HEADS[self.output_head]
         if self.task == "classify":
             return ("classify", "score") if self.num_labels == 1 else ("classify",)
+        if self.multi_vector is not None:
+            return ("token_embed",)
         return ("embed", "token_embed")
 
     @property

@@ -39,12 +39,18 @@ class PoolingParams:
     max_active_dims: int | None = None
     """embed_sparse: keep the largest this many weights (sentence-transformers' name); None =
     every non-zero weight."""
+    prompt_name: str | None = None
+    """The model's prompt (config_sentence_transformers.json) put before the text; None = its
+    default_prompt_name. ColBERT models: "query" or "document" (the default) chooses how the
+    text is encoded. Token-id prompts get no prompt (engine/prompts.py)."""
 
     def __post_init__(self) -> None:
         if self.truncation_side not in ("right", "left"):
             raise ValueError(
                 f"truncation_side must be 'right' or 'left', got {self.truncation_side!r}"
             )
+        if self.prompt_name is not None and not isinstance(self.prompt_name, str):
+            raise ValueError(f"prompt_name must be a string, got {self.prompt_name!r}")
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"unknown pooling task {self.task!r}; expected one of {POOLING_TASKS}")
         if self.dimensions is not None:
@@ -71,6 +77,7 @@ class PoolingParams:
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             truncation_side=self.truncation_side,
             max_active_dims=self.max_active_dims,
+            prompt_name=self.prompt_name,
         )
 
 

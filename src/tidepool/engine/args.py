@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tidepool import envs
-from tidepool.config import CacheConfig, EngineConfig, SchedulerConfig
+from tidepool.config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
 from tidepool.engine.score_template import resolve_score_template
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.models.resolve import build_model_config
@@ -73,6 +73,9 @@ class EngineArgs:
     None: Qwen3-Reranker's own template when the model is one (engine/score_template.py)."""
     score_instruction: str | None = None
     """The template's `{instruction}`; None: the built-in template's default."""
+    pooler_config: PoolerConfig | dict[str, Any] | None = None
+    """Pooler options (vLLM's): {"enable_chunked_processing": true, "max_embed_len": N,
+    "chunk_score_aggregation": "max"}; None: the defaults (long inputs refused)."""
 
     def to_engine_config(self, model: str) -> EngineConfig:
         """The frozen engine configuration (reads the model's config files; loads no weights and
@@ -96,6 +99,11 @@ class EngineArgs:
             if model_config.task != "classify":
                 raise ValueError("score_template applies to cross-encoders (task classify) only")
             model_config = replace(model_config, score_template=template)
+        if self.pooler_config is not None:
+            pooler = self.pooler_config
+            if isinstance(pooler, dict):
+                pooler = PoolerConfig(**pooler)
+            model_config = replace(model_config, pooler=pooler)
         # Encoders run each prompt whole; causal models with chunked prefill do not need to.
         whole_prompts = not model_config.is_causal or not self.enable_chunked_prefill
         max_num_batched_tokens = self.max_num_batched_tokens

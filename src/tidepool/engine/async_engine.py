@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 from tidepool.config import EngineConfig, ModelConfig
 from tidepool.engine.args import build_engine_config
+from tidepool.engine.chunked import combine, expand, has_chunks
 from tidepool.engine.engine_core import EngineCore
 from tidepool.engine.generation_stream import GenerationInput, GenerationStream, StreamGroup
 from tidepool.engine.input_processor import InputProcessor, eos_token_ids
@@ -172,7 +173,9 @@ class AsyncEngine:
             # instance may be changing its truncation settings at the same moment.
             detokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
             self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
-        self._engine = LLMEngine(config, detokenizer=detokenizer)
+        self._engine = LLMEngine(
+            config, detokenizer=detokenizer, multi_vector=self.input_processor.multi_vector
+        )
         """Touched by the engine thread only (after start())."""
         self._stop: _Stop | None = None
         """The stop command the engine thread got (engine thread only)."""
@@ -273,7 +276,7 @@ class AsyncEngine:
         """One output per prompt, in order. Invalid prompts raise BatchInputError (none run)."""
         with self._admit():
             items = await self._run_in_input_worker(self.input_processor.process, prompts, params)
-            return await self._run_admitted(_requests_or_raise(items))
+            return await self._run_items(_requests_or_raise(items))
 
     async def encode_pairs(
         self, pairs: Sequence[tuple[Any, Any]], params: Sequence[PoolingParams]
@@ -283,7 +286,7 @@ class AsyncEngine:
             items = await self._run_in_input_worker(
                 self.input_processor.process_pairs, pairs, params
             )
-            return await self._run_admitted(_requests_or_raise(items))
+            return await self._run_items(_requests_or_raise(items))
 
     async def run(self, requests: list[Request]) -> list[PoolingRequestOutput]:
         """Run tokenized requests; cancelling the awaiting task aborts them in the engine."""
@@ -335,6 +338,14 @@ class AsyncEngine:
             yield
         finally:
             self._num_admitted -= 1
+
+    async def _run_items(self, items: list[Any]) -> list[PoolingRequestOutput]:
+        """Requests, and long inputs run in chunks whose outputs are combined (chunked.py)."""
+        if not has_chunks(items):
+            return await self._run_admitted(items)
+        expansion = expand(items)
+        outputs = await self._run_admitted(expansion.flat)  # type: ignore[arg-type]
+        return combine(expansion, outputs, [], self.model_config)[0]  # type: ignore[return-value]
 
     async def _run_admitted(self, requests: list[Request]) -> list[PoolingRequestOutput]:
         if not requests:
@@ -450,7 +461,7 @@ class AsyncEngine:
         self.stats.num_running_requests = scheduler.num_running
 
 
-def _requests_or_raise(items: list[Request | RequestError]) -> list[Request]:
+def _requests_or_raise(items: list[Any]) -> list[Any]:
     errors = [item for item in items if isinstance(item, RequestError)]
     if errors:
         raise BatchInputError(errors)

@@ -22,12 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidepool.config import ModelConfig
+from tidepool.engine.chunked import ChunkedInput, LongInputSplitter
+from tidepool.engine.multi_vector import MultiVectorInputs
 from tidepool.engine.prefix_tokenizer import (
     CHARS_PER_TOKEN,
     FirstTokens,
     PrefixTokenizer,
     read_limit,
 )
+from tidepool.engine.prompts import check_prompt_name, is_query, prompt_text
 from tidepool.engine.score_template import ScoreTemplate, render_pairs
 from tidepool.engine.text_checks import unicode_problem
 from tidepool.engine.truncation import Budget, keep, keeps_last, longest_first
@@ -77,7 +80,15 @@ class InputProcessor:
             if model_config.score_template is None
             else ScoreTemplate.parse(model_config.score_template)
         )
+        self.multi_vector = (
+            None
+            if model_config.multi_vector is None
+            else MultiVectorInputs.build(model_config.multi_vector, self.tokenizer)
+        )
         self._ids = itertools.count()
+        self._long = LongInputSplitter.for_model(
+            model_config, self._prefix_tokenizer, self._lower, self._make
+        )
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -117,8 +128,22 @@ class InputProcessor:
         return _Parsed(token_ids=list(ids))
 
     def _prepare_text(self, text: str) -> str:
-        text = self.default_prompt + text
+        """A text with the default prompt, as the tokenizer gets it (pairs)."""
+        return self._lower(self.default_prompt + text)
+
+    def _lower(self, text: str) -> str:
         return text.lower() if self.lower_case else text
+
+    def _is_multi_vector(self, params: PoolingParams) -> bool:
+        return self.multi_vector is not None and params.task == "token_embed"
+
+    def _text_budget(self, params: PoolingParams) -> Budget | str:
+        budget = self._budget(params, pair=False)  # a ColBERT text is cut to its length (PyLate)
+        if isinstance(budget, str) or not self._is_multi_vector(params):
+            return budget
+        query = is_query(self.model_config, params.prompt_name)
+        num_tokens = self.multi_vector.num_text_tokens(query, self._num_special)  # type: ignore[union-attr]
+        return Budget(min(num_tokens, budget.num_tokens), truncate=True)
 
     def _truncation(self, params: PoolingParams) -> int | None:
         """Token-id prompts: how many ids to keep (None: all)."""
@@ -183,12 +208,17 @@ class InputProcessor:
 
     def process(
         self, prompts: Sequence[Any], params: Sequence[PoolingParams]
-    ) -> list[Request | RequestError]:
-        """One request (or error) per prompt, in order. Texts are tokenized in batched calls."""
-        results: list[Request | RequestError | None] = [None] * len(prompts)
+    ) -> list[Request | RequestError | ChunkedInput]:
+        """One request (or error) per prompt, in order. Texts are tokenized in batched calls.
+        With chunked processing, a text too long for the model becomes a ChunkedInput."""
+        results: list[Request | RequestError | ChunkedInput | None] = [None] * len(prompts)
         texts: list[tuple[int, str, Budget]] = []
         for i, prompt in enumerate(prompts):
             p = self._parse(prompt)
+            try:
+                check_prompt_name(self.model_config, params[i].prompt_name)
+            except ValueError as e:
+                p = str(e)
             if isinstance(p, str):
                 results[i] = RequestError(i, p)
             elif p.token_ids is not None:
@@ -199,19 +229,27 @@ class InputProcessor:
                     continue
                 ids = keep(p.token_ids, max_len, params[i].truncation_side)
                 results[i] = self._make(i, ids, None, params[i])
-            elif isinstance(budget := self._budget(params[i], pair=False), str):
+            elif isinstance(budget := self._text_budget(params[i]), str):
                 results[i] = RequestError(i, budget)
             elif error := self._left_read_error(p.text, budget, params[i]):  # type: ignore[arg-type]
                 results[i] = RequestError(i, error)
             else:
-                texts.append((i, p.text, budget))  # type: ignore[arg-type]
+                # The prompt goes before the text (sentence-transformers' encode(prompt_name=)).
+                prefix = prompt_text(self.model_config, params[i].prompt_name)
+                texts.append((i, prefix + p.text, budget))  # type: ignore[operator]
         firsts = self._prefix_tokenizer.first_tokens(
             [text for _, text, _ in texts],
             [self._num_to_read(text, b, params[i]) for i, text, b in texts],
-            self._prepare_text,
+            self._lower,
         )
+        long_texts = []
         for (i, text, budget), first in zip(texts, firsts, strict=True):
-            results[i] = self._finish_text(i, text, first, budget, params[i])
+            if self._long and self._long.takes_text(params[i], first, budget):
+                long_texts.append((i, text, params[i]))
+            else:
+                results[i] = self._finish_text(i, text, first, budget, params[i])
+        for i, item in self._long.texts(long_texts) if long_texts else ():  # type: ignore[union-attr]
+            results[i] = item
         return results  # type: ignore[return-value]
 
     def _finish_text(
@@ -229,16 +267,20 @@ class InputProcessor:
         num_kept = budget.num_tokens if budget.truncate else None
         ids = keep(first.token_ids, num_kept, params.truncation_side)
         ids, types = self._prefix_tokenizer.with_special_tokens(ids)
+        if self._is_multi_vector(params):
+            query = is_query(self.model_config, params.prompt_name)
+            return self._make(index, self.multi_vector.shape(ids, query), None, params)  # type: ignore[union-attr]
         return self._make(index, ids, types if self.keep_token_types else None, params)
 
     def process_pairs(
         self, pairs: Sequence[tuple[Any, Any]], params: Sequence[PoolingParams]
-    ) -> list[Request | RequestError]:
+    ) -> list[Request | RequestError | ChunkedInput]:
         """Cross-encoder inputs: (query, document) text pairs, encoded together with token types
-        (or, for a decoder reranker, rendered into its score template: `_process_templated`)."""
+        (or, for a decoder reranker, rendered into its score template: `_process_templated`).
+        With chunked processing, a pair too long for the model becomes a ChunkedInput."""
         if self.score_template is not None:
-            return self._process_templated(pairs, params, self.score_template)
-        results: list[Request | RequestError | None] = [None] * len(pairs)
+            return self._process_templated(pairs, params, self.score_template)  # type: ignore[return-value]
+        results: list[Request | RequestError | ChunkedInput | None] = [None] * len(pairs)
         ok: list[tuple[int, Budget]] = []
         for i, (first, second) in enumerate(pairs):
             errors = [
@@ -268,9 +310,16 @@ class InputProcessor:
             ],
             self._prepare_text,
         )
+        long_pairs = []
         for k, (i, budget) in enumerate(ok):
             both = (sides[k], sides[len(ok) + k])
-            results[i] = self._finish_pair(i, pairs[i], both, budget, params[i])
+            if self._long and self._long.takes_pair(params[i], both, budget):
+                doc = self.default_prompt + pairs[i][1]
+                long_pairs.append((i, both[0].token_ids, doc, params[i]))
+            else:
+                results[i] = self._finish_pair(i, pairs[i], both, budget, params[i])
+        for i, item in self._long.pairs(long_pairs) if long_pairs else ():  # type: ignore[union-attr]
+            results[i] = item
         return results  # type: ignore[return-value]
 
     def _finish_pair(

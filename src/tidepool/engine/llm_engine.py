@@ -35,7 +35,9 @@ from tidepool.config import EngineConfig
 from tidepool.core.outputs import EngineCoreOutput, PoolingCoreOutput
 from tidepool.engine.engine_core import EngineCore, StepFailedError
 from tidepool.engine.generation_stream import GenerationInput
+from tidepool.engine.multi_vector import MultiVectorInputs
 from tidepool.engine.output_processor import OutputProcessor
+from tidepool.engine.prompts import is_query
 from tidepool.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from tidepool.request import Request
 
@@ -98,14 +100,24 @@ def apply_num_threads(num_threads: int | None) -> None:
 class LLMEngine:
     """EngineCore plus the output processor, routing outputs to their callers' sinks."""
 
-    def __init__(self, config: EngineConfig, detokenizer: Any = None) -> None:
-        """`detokenizer`: the tokenizer the output processor decodes generated tokens with."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        detokenizer: Any = None,
+        multi_vector: MultiVectorInputs | None = None,
+    ) -> None:
+        """`detokenizer`: the tokenizer the output processor decodes generated tokens with.
+        `multi_vector`: a ColBERT model's rules (the input processor's): documents' outputs
+        drop the vectors of skiplist tokens."""
         apply_num_threads(config.num_threads)
         self.config = config
         self.core = EngineCore(config)
         self.output_processor = OutputProcessor(detokenizer)
         self._sink_of: dict[str, OutputSink[Any]] = {}
         """request_id → its caller's sink, for every unfinished request."""
+        self._multi_vector = multi_vector
+        self._documents: set[str] = set()
+        """Unfinished ColBERT document requests (their skiplist rows are dropped)."""
 
     @property
     def can_generate(self) -> bool:
@@ -134,6 +146,14 @@ class LLMEngine:
         (RequestOutput.prompt, CompletionOutput.index) and whether it gets a delta per step."""
         self.core.add_request(request)
         self._sink_of[request.request_id] = sink
+        params = request.pooling_params
+        if (
+            self._multi_vector is not None
+            and params is not None
+            and params.task == "token_embed"
+            and not is_query(self.config.model, params.prompt_name)
+        ):
+            self._documents.add(request.request_id)
         if request.sampling_params is not None:
             self.output_processor.add_request(
                 request.request_id,
@@ -146,6 +166,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Forget an unfinished request everywhere; False if it is unknown or already finished."""
+        self._documents.discard(request_id)
         if self._sink_of.pop(request_id, None) is None:
             return False
         self.core.abort_request(request_id)
@@ -179,7 +200,7 @@ class LLMEngine:
                 sink = self._sink_of.pop(out.request_id)
                 sink.add_output(
                     PoolingRequestOutput(
-                        out.request_id, out.prompt_token_ids, PoolingOutput(out.data)
+                        out.request_id, out.prompt_token_ids, PoolingOutput(self._finish(out))
                     )
                 )
                 touched[sink] = None
@@ -196,6 +217,15 @@ class LLMEngine:
             sink.flush()
         seconds = time.perf_counter() - start
         return StepRecord(len(core_outputs), num_tokens, seconds, num_finished)
+
+    def _finish(self, out: PoolingCoreOutput) -> Any:
+        """A pooled output as its caller gets it: a ColBERT document without the vectors of
+        its skiplist tokens (models/colbert.py)."""
+        if out.request_id not in self._documents:
+            return out.data
+        self._documents.discard(out.request_id)
+        kept = self._multi_vector.kept_rows(out.prompt_token_ids)  # type: ignore[union-attr]
+        return out.data if kept is None else out.data[kept]
 
     def _route_generated(
         self, core_outputs: list[EngineCoreOutput], touched: dict[OutputSink[Any], None]

@@ -1,5 +1,5 @@
-"""Pooling-task rules shared by the offline `LLM` and the server: the default task of a call that
-names none, and scoring (pair expansion, cross-encoder scores, cosine of embeddings).
+"""Scoring rules shared by the offline `LLM` and the server: which rule scores a pair, pair
+expansion, cross-encoder scores, cosine of embeddings, MaxSim of token vectors.
 
 Pure functions: callers run the requests their own way (the offline loop, or awaiting the async
 engine) and combine the results here. Scoring by embedding, for example:
@@ -8,6 +8,14 @@ engine) and combine the results here. Scoring by embedding, for example:
     plan = plan_embedding_scores(pairs)                    # each distinct text once
     embeddings = <embed plan.texts>                        # None where a text failed
     scores = cosine_scores(embeddings, plan.pair_slots)    # one float (or None) per pair
+
+A ColBERT model (ModelConfig.multi_vector) scores by late interaction instead: queries and
+documents are encoded apart (prompt_name "query" / "document"), and MaxSim sums, over the query's
+vectors, the best dot product with any of the document's:
+
+    plan = plan_late_interaction_scores(pairs)             # distinct queries, distinct documents
+    <token_embed plan.queries as queries, plan.documents as documents>
+    scores = maxsim_scores(query_vectors, document_vectors, plan.pair_slots)
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ import torch.nn.functional as F
 T = TypeVar("T")
 
 
-def default_pooling_task(model_task: str) -> str:
-    """The pooling task of a call that names none: a classifier classifies, any other model
-    embeds."""
-    return "classify" if model_task == "classify" else "embed"
+def scoring_rule(model_task: str, multi_vector: bool) -> str:
+    """How `score` / `rerank` score a pair: "cross_encoder" (the pair read together),
+    "late_interaction" (MaxSim of token vectors) or "cosine" (of two embeddings)."""
+    if model_task == "classify":
+        return "cross_encoder"
+    return "late_interaction" if multi_vector else "cosine"
 
 
 def expand_score_pairs(
@@ -108,3 +118,46 @@ def pair_failures(
         if bad:
             reasons[index] = "; ".join(bad)
     return reasons
+
+
+@dataclass(frozen=True)
+class LateInteractionPlan:
+    """What to encode to score pairs by MaxSim."""
+
+    queries: list[Any]
+    """Each distinct first text once (encoded as a query)."""
+    documents: list[Any]
+    """Each distinct second text once (encoded as a document)."""
+    pair_slots: list[tuple[int, int]]
+    """Per pair, (its query's place in `queries`, its document's place in `documents`)."""
+
+
+def plan_late_interaction_scores(pairs: Sequence[tuple[Any, Any]]) -> LateInteractionPlan:
+    queries = plan_embedding_scores([(q, q) for q, _ in pairs])
+    documents = plan_embedding_scores([(d, d) for _, d in pairs])
+    pair_slots = [
+        (q[0], d[0]) for q, d in zip(queries.pair_slots, documents.pair_slots, strict=True)
+    ]
+    return LateInteractionPlan(queries.texts, documents.texts, pair_slots)
+
+
+def maxsim(query: torch.Tensor, document: torch.Tensor) -> float:
+    """Late interaction (ColBERT's MaxSim): query [num_q, dim], document [num_d, dim] →
+    sum over query vectors of the largest dot product with a document vector."""
+    if document.shape[0] == 0:
+        return 0.0
+    return float((query.float() @ document.float().T).amax(dim=1).sum())
+
+
+def maxsim_scores(
+    queries: Sequence[torch.Tensor | None],
+    documents: Sequence[torch.Tensor | None],
+    pair_slots: Sequence[tuple[int, int]],
+) -> list[float | None]:
+    """Per pair, MaxSim of its query's and its document's vectors; None where either is missing
+    (its text failed)."""
+    scores: list[float | None] = []
+    for q, d in pair_slots:
+        query, document = queries[q], documents[d]
+        scores.append(None if query is None or document is None else maxsim(query, document))
+    return scores

@@ -42,7 +42,8 @@ def check_task_supported(model_config: ModelConfig, task: str) -> None:
     if task not in POOLING_TASKS:
         raise ValueError(f"unknown pooling task {task!r}; expected one of {POOLING_TASKS}")
     tasks = supported_tasks(model_config)
-    if task in tasks or (task == "score" and "embed" in tasks):
+    # An embedding model scores by cosine, a ColBERT model (token_embed only) by MaxSim.
+    if task in tasks or (task == "score" and ("embed" in tasks or "token_embed" in tasks)):
         return
     needs = _NEEDS.get(task, f"a model that supports {task!r}")
     kind = _HEAD_KIND.get(model_config.output_head) or _KIND.get(

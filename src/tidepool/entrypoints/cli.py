@@ -68,6 +68,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="LLM rerankers: the pair prompt with {query} and {document}, a file, or a built-in",
     )
     parser.add_argument("--score-instruction", default=None, help="the template's {instruction}")
+    parser.add_argument(
+        "--pooler-config",
+        type=json.loads,
+        default=None,
+        help="pooler options as JSON (vLLM's), e.g. '{\"enable_chunked_processing\": true, "
+        '"max_embed_len": 100000}\': inputs longer than max_model_len run in chunks',
+    )
     for flag, kind in _IGNORED_VLLM_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
     for flag in _IGNORED_VLLM_SWITCHES:
@@ -92,6 +99,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "hf_overrides": args.hf_overrides,
         "score_template": args.score_template,
         "score_instruction": args.score_instruction,
+        "pooler_config": args.pooler_config,
     }
 
 

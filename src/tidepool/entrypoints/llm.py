@@ -19,6 +19,7 @@ from tidepool.engine.args import (
     build_engine_config,
     engine_args_from_vllm,
 )
+from tidepool.engine.chunked import combine, expand, has_chunks
 from tidepool.engine.engine_core import EngineCore, EngineMetrics
 from tidepool.engine.generation_stream import GenerationInput
 from tidepool.engine.input_processor import InputProcessor, eos_token_ids
@@ -27,9 +28,13 @@ from tidepool.engine.pooling import (
     cosine_scores,
     cross_encoder_score,
     expand_score_pairs,
+    maxsim_scores,
     pair_failures,
     plan_embedding_scores,
+    plan_late_interaction_scores,
+    scoring_rule,
 )
+from tidepool.engine.prompts import check_prompt_name
 from tidepool.engine.tasks import check_task_supported
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import (
@@ -70,6 +75,23 @@ def _as_list(prompts: PromptsArg, what: str = "prompts") -> list:
     )
 
 
+def _late_failures(
+    pair_slots: list[tuple[int, int]],
+    query_errors: list[RequestError],
+    document_errors: list[RequestError],
+) -> list[RequestError]:
+    """Per pair whose query or document failed, why (both sides' messages)."""
+    failed_q = {e.index: e.message for e in query_errors}
+    failed_d = {e.index: e.message for e in document_errors}
+    errors = []
+    for i, (q, d) in enumerate(pair_slots):
+        bad = [f"data_1: {failed_q[q]}"] if q in failed_q else []
+        bad += [f"data_2: {failed_d[d]}"] if d in failed_d else []
+        if bad:
+            errors.append(RequestError(i, "; ".join(bad)))
+    return errors
+
+
 def _prompt_text(prompt: Any) -> str | None:
     if isinstance(prompt, str):
         return prompt
@@ -92,7 +114,11 @@ class LLM:
         `disable_hybrid_kv_cache_manager` is set."""
         self.config = engine_args_from_vllm(kwargs).to_engine_config(model)
         self.input_processor = InputProcessor(self.config.model)
-        self.llm_engine = LLMEngine(self.config, detokenizer=self.input_processor.tokenizer)
+        self.llm_engine = LLMEngine(
+            self.config,
+            detokenizer=self.input_processor.tokenizer,
+            multi_vector=self.input_processor.multi_vector,
+        )
         self._eos_token_ids = eos_token_ids(self.config.model, self.input_processor.tokenizer)
 
     # ------------------------------------------------------------------ helpers
@@ -116,7 +142,11 @@ class LLM:
         task: str,
         truncate_prompt_tokens: int | None,
         keep_own_task: bool = False,
+        prompt_name: str | None = None,
     ) -> list[PoolingParams]:
+        """One PoolingParams per prompt with the call's task; the call's truncate_prompt_tokens
+        and prompt_name (checked: ValueError naming the model's prompts) override theirs."""
+        check_prompt_name(self.model_config, prompt_name)
         if pooling_params is None:
             params = [PoolingParams()] * num
         elif isinstance(pooling_params, PoolingParams):
@@ -133,13 +163,20 @@ class LLM:
             if truncate_prompt_tokens is not None:
                 p.truncate_prompt_tokens = truncate_prompt_tokens
                 p.__post_init__()
+            if prompt_name is not None:
+                p.prompt_name = prompt_name
             out.append(p)
         return out
 
     def _run(
         self, items: list[Request | RequestError], use_tqdm: bool
     ) -> tuple[list[PoolingRequestOutput | None], list[RequestError]]:
-        """Run every request; per-prompt errors are returned, never raised."""
+        """Run every request; per-prompt errors are returned, never raised. Long inputs run
+        in chunks whose outputs are combined (engine/chunked.py)."""
+        if has_chunks(items):
+            expansion = expand(items)
+            results, errors = self._run(expansion.flat, use_tqdm)
+            return combine(expansion, results, errors, self.model_config)
         errors = [item for item in items if isinstance(item, RequestError)]
         # Longest first: each step then packs sequences of similar length (cheaper attention).
         order = sorted(
@@ -167,10 +204,16 @@ class LLM:
         truncate_prompt_tokens: int | None,
         use_tqdm: bool,
         keep_own_task: bool = False,
+        prompt_name: str | None = None,
     ) -> tuple[list[PoolingRequestOutput | None], list[RequestError]]:
         prompt_list = _as_list(prompts)
         params = self._params_list(
-            len(prompt_list), pooling_params, task, truncate_prompt_tokens, keep_own_task
+            len(prompt_list),
+            pooling_params,
+            task,
+            truncate_prompt_tokens,
+            keep_own_task,
+            prompt_name,
         )
         return self._run(self.input_processor.process(prompt_list, params), use_tqdm)
 
@@ -191,14 +234,24 @@ class LLM:
         pooling_task: str | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        prompt_name: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """Raw pooler outputs (`outputs.data`, a tensor); `pooling_task` as vLLM's, or
         "embed_sparse" (a sparse [vocab] tensor of token id → weight; `embed_sparse()` gives
-        them as lists). Without `pooling_task`, a PoolingParams that names its task keeps it
-        (one call may mix tasks: BGE-M3's dense, sparse and multi-vector in one batch)."""
+        them as lists); a ColBERT model's default is token_embed (one normalized vector per kept
+        token). Without `pooling_task`, a PoolingParams that names its task keeps it (one call
+        may mix tasks: BGE-M3's dense, sparse and multi-vector in one batch). `prompt_name`: the
+        model's prompt put before each text (engine/prompts.py); on a ColBERT model "query" or
+        "document" (the default) chooses how the texts are encoded."""
         task = pooling_task or self.model_config.default_pooling_task
         results, errors = self._encode_raw(
-            prompts, task, pooling_params, truncate_prompt_tokens, use_tqdm, pooling_task is None
+            prompts,
+            task,
+            pooling_params,
+            truncate_prompt_tokens,
+            use_tqdm,
+            pooling_task is None,
+            prompt_name,
         )
         return self._finish(results, errors, lambda r: r)
 
@@ -209,10 +262,14 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        prompt_name: str | None = None,
     ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt. `prompt_name`: one of the model's prompts
+        (config_sentence_transformers.json), put before each text as sentence-transformers
+        does: `llm.embed(queries, prompt_name="query")`; None: its default_prompt_name."""
         check_task_supported(self.model_config, "embed")
         results, errors = self._encode_raw(
-            prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm
+            prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm, prompt_name
         )
         return self._finish(results, errors, EmbeddingRequestOutput.from_base)
 
@@ -268,12 +325,18 @@ class LLM:
     ) -> list[ScoringRequestOutput]:
         """Relevance of each (data_1, data_2) pair: 1-to-N when data_1 has one item, else N-to-N.
 
-        A cross-encoder reads each pair together; an embedding model scores the cosine of the two
-        embeddings.
+        A cross-encoder reads each pair together; a ColBERT model scores MaxSim of the query's
+        and the document's token vectors (data_1 encoded as queries, data_2 as documents); an
+        embedding model scores the cosine of the two embeddings.
         """
         check_task_supported(self.model_config, "score")
         pairs = expand_score_pairs(_as_list(data_1, "data_1"), _as_list(data_2, "data_2"))
-        if self.model_config.task != "classify":
+        rule = scoring_rule(self.model_config.task, self.model_config.multi_vector is not None)
+        if rule == "late_interaction":
+            return self._score_by_late_interaction(
+                pairs, pooling_params, truncate_prompt_tokens, use_tqdm
+            )
+        if rule == "cosine":
             return self._score_by_embedding(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
         params = self._params_list(len(pairs), pooling_params, "score", truncate_prompt_tokens)
         items = self.input_processor.process_pairs(pairs, params)
@@ -316,6 +379,44 @@ class LLM:
         if failures:
             errors = [RequestError(i, message) for i, message in sorted(failures.items())]
             raise BatchInputError(errors, outputs)
+        return outputs  # type: ignore[return-value]
+
+    def _score_by_late_interaction(
+        self,
+        pairs: list[tuple[Any, Any]],
+        pooling_params: PoolingParams | None,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+    ) -> list[ScoringRequestOutput]:
+        plan = plan_late_interaction_scores(pairs)
+        run = [
+            self._encode_raw(
+                texts, "token_embed", pooling_params, truncate_prompt_tokens, use_tqdm, role
+            )
+            for texts, role in ((plan.queries, "query"), (plan.documents, "document"))
+        ]
+        (queries, query_errors), (documents, document_errors) = run
+        scores = maxsim_scores(
+            [None if r is None else r.outputs.data for r in queries],
+            [None if r is None else r.outputs.data for r in documents],
+            plan.pair_slots,
+        )
+        failures = _late_failures(plan.pair_slots, query_errors, document_errors)
+        outputs: list[ScoringRequestOutput | None] = []
+        for (q, d), score in zip(plan.pair_slots, scores, strict=True):
+            query, document = queries[q], documents[d]
+            if score is None or query is None or document is None:
+                outputs.append(None)
+                continue
+            outputs.append(
+                ScoringRequestOutput(
+                    f"score-{query.request_id}-{document.request_id}",
+                    query.prompt_token_ids + document.prompt_token_ids,
+                    ScoringOutput(score),
+                )
+            )
+        if failures:
+            raise BatchInputError(failures, outputs)
         return outputs  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ generation

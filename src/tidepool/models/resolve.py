@@ -20,6 +20,7 @@ import torch
 
 from tidepool import envs
 from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
+from tidepool.models.colbert import COLBERT_IR_ARCHITECTURES, load_multi_vector
 from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
 from tidepool.models.registry import get_model_class, has_implementation, resolve_model_impl
 
@@ -90,6 +91,13 @@ def build_model_config(
         hf_config.update(dict(hf_overrides))  # top-level keys, as vLLM's dict form
     resolved = resolve_model(hf_config, path, runner, convert, model_impl, trust_remote_code)
     st = load_sentence_transformers_meta(path)
+    # A ColBERT checkpoint (colbert-ir or PyLate layout) is a multi-vector model: token_embed by
+    # default, MaxSim scores (models/colbert.py).
+    multi_vector = None
+    if resolved.task == "embed" and (
+        found := load_multi_vector(path, _checkpoint_architecture(hf_config), st)
+    ):
+        multi_vector, st = found
     torch_device = torch.device(device) if device else default_device()
     return ModelConfig(
         model=str(model),
@@ -108,6 +116,7 @@ def build_model_config(
         trust_remote_code=trust_remote_code,
         output_head=resolved.output_head,
         sparse=resolved.sparse,
+        multi_vector=multi_vector,
     )
 
 
@@ -274,6 +283,8 @@ def _checkpoint_architecture(hf_config: Any) -> str:
 
 
 def _base_architecture(arch: str) -> str:
+    if arch in COLBERT_IR_ARCHITECTURES:
+        return COLBERT_IR_ARCHITECTURES[arch]
     if arch in _CAUSAL_LM_BODIES:
         return _CAUSAL_LM_BODIES[arch]
     for suffix in (

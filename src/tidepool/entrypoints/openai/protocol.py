@@ -123,6 +123,9 @@ class EmbeddingRequest(OpenAIBaseModel):
     quantized precisions, a tidepool extension): docs/server.md, "Output encodings"."""
     endianness: Literal["native", "little", "big"] = "native"
     """Byte order of base64 values (vLLM's field); native = the server's (little on x86, ARM)."""
+    prompt_name: Str | None = None
+    """One of the model's prompts (config_sentence_transformers.json), put before each input
+    (TEI's field); None = its default_prompt_name. ColBERT models: "query" or "document"."""
 
 
 class EmbeddingResponseData(OpenAIBaseModel):

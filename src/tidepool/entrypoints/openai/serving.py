@@ -20,8 +20,12 @@ from tidepool.engine.pooling import (
     cosine_scores,
     cross_encoder_score,
     expand_score_pairs,
+    maxsim_scores,
     plan_embedding_scores,
+    plan_late_interaction_scores,
+    scoring_rule,
 )
+from tidepool.engine.prompts import check_prompt_name
 from tidepool.entrypoints.openai import protocol as p
 from tidepool.entrypoints.openai.encodings import (
     EmbeddingCalibration,
@@ -128,6 +132,10 @@ class OpenAIServing:
 
     def _params(self, param: str = "input", **fields: Any) -> PoolingParams:
         try:
+            check_prompt_name(self.model_config, fields.get("prompt_name"))
+        except ValueError as e:
+            raise ApiError(400, str(e), "prompt_name") from e
+        try:
             return PoolingParams(**fields)
         except ValueError as e:
             raise ApiError(400, str(e), _field_of(str(e), param)) from e
@@ -166,6 +174,7 @@ class OpenAIServing:
             dimensions=req.dimensions,
             normalize=req.normalize,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            prompt_name=req.prompt_name,
         )
         data = [
             p.EmbeddingResponseData(
@@ -190,6 +199,7 @@ class OpenAIServing:
             normalize=req.normalize,
             activation=req.activation,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            prompt_name=req.prompt_name,
         )
         data = [
             p.PoolingResponseData(
@@ -288,7 +298,11 @@ class OpenAIServing:
         param: str = "text_2",
         truncation_side: str = "right",
     ) -> tuple[list[float], int]:
-        """A cross-encoder reads each pair; an embedding model scores the cosine (as vLLM)."""
+        """A cross-encoder reads each pair; a ColBERT model scores MaxSim; an embedding model
+        scores the cosine (as vLLM)."""
+        rule = scoring_rule(self.model_config.task, self.model_config.multi_vector is not None)
+        if rule == "late_interaction":
+            return await self._score_by_late_interaction(pairs, truncate_prompt_tokens, param)
         if "score" in self.engine.supported_tasks:
             params = self._params(
                 param,
@@ -331,6 +345,33 @@ class OpenAIServing:
             raise ApiError(400, f"{plan.texts[first.index]!r:.60}: {first.message}", param) from e
         scores = cosine_scores([o.outputs.data for o in outputs], plan.pair_slots)
         return scores, sum(len(o.prompt_token_ids) for o in outputs)  # type: ignore[return-value]
+
+    async def _score_by_late_interaction(
+        self, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None, param: str
+    ) -> tuple[list[float], int]:
+        plan = plan_late_interaction_scores(pairs)
+        sides = []
+        for texts, role, side in (
+            (plan.queries, "query", "text_1" if param == "text_2" else "query"),
+            (plan.documents, "document", param),
+        ):
+            params = self._params(
+                param,
+                task="token_embed",
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                prompt_name=role,
+            )
+            try:
+                sides.append(await self.engine.encode(texts, [params] * len(texts)))
+            except BatchInputError as e:
+                first = e.errors[0]
+                raise ApiError(400, f"{texts[first.index]!r:.60}: {first.message}", side) from e
+        queries, documents = sides
+        scores = maxsim_scores(
+            [o.outputs.data for o in queries], [o.outputs.data for o in documents], plan.pair_slots
+        )
+        num_tokens = sum(len(o.prompt_token_ids) for o in queries + documents)
+        return scores, num_tokens  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ models
 
@@ -377,7 +418,7 @@ def _score_fields(req: p.ScoreRequest) -> tuple[str, str]:
 
 
 def _field_of(message: str, default: str) -> str:
-    for name in ("dimensions", "truncate_prompt_tokens", "task", "max_active_dims"):
+    for name in ("dimensions", "truncate_prompt_tokens", "task", "max_active_dims", "prompt_name"):
         if name in message:
             return name
     return default
