@@ -48,8 +48,9 @@ from tidepool.config import EngineConfig, ModelConfig
 from tidepool.engine.args import build_engine_config
 from tidepool.engine.chunked import combine, expand, has_chunks
 from tidepool.engine.engine_core import EngineCore
+from tidepool.engine.generate_inputs import eos_token_ids
 from tidepool.engine.generation_stream import GenerationInput, GenerationStream, StreamGroup
-from tidepool.engine.input_processor import InputProcessor, eos_token_ids
+from tidepool.engine.input_processor import InputProcessor
 from tidepool.engine.llm_engine import (
     EngineClosedError,
     EngineStepError,

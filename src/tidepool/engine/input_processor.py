@@ -23,6 +23,7 @@ from typing import Any
 
 from tidepool.config import ModelConfig
 from tidepool.engine.chunked import ChunkedInput, LongInputSplitter
+from tidepool.engine.generate_inputs import tokenize_generate
 from tidepool.engine.multi_vector import MultiVectorInputs
 from tidepool.engine.prefix_tokenizer import (
     CHARS_PER_TOKEN,
@@ -33,7 +34,14 @@ from tidepool.engine.prefix_tokenizer import (
 from tidepool.engine.prompts import check_prompt_name, is_query, prompt_text
 from tidepool.engine.score_template import ScoreTemplate, render_pairs
 from tidepool.engine.text_checks import unicode_problem
-from tidepool.engine.truncation import Budget, keep, keeps_last, longest_first
+from tidepool.engine.truncation import (
+    Budget,
+    keep,
+    keeps_last,
+    longest_first,
+    too_long,
+    too_sparse,
+)
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
@@ -187,23 +195,6 @@ class InputProcessor:
             )
         return None
 
-    def _too_long(self, what: str, num_tokens: int, num_chars_read: int, num_chars: int) -> str:
-        # Only a prefix was read: the count is a lower bound.
-        return (
-            f"{what} is longer than {self.max_model_len} tokens, the model's maximum "
-            f"(max_model_len): its first {num_chars_read:,} of {num_chars:,} characters already "
-            f"give {num_tokens} tokens; shorten it or pass truncate_prompt_tokens to truncate"
-        )
-
-    @staticmethod
-    def _too_sparse(what: str, first: FirstTokens, num_wanted: int, num_chars: int) -> str:
-        return (
-            f"{what} has {num_chars:,} characters and its first {first.num_chars_read:,} give "
-            f"only {first.num_tokens} tokens; tidepool reads at most {CHARS_PER_TOKEN} "
-            f"characters per token it needs ({num_wanted} here), so a text this sparse (long "
-            "runs of whitespace or of characters without a break) must be shortened"
-        )
-
     # ------------------------------------------------------------------ public
 
     def process(
@@ -258,11 +249,13 @@ class InputProcessor:
         if not first.complete:
             if first.num_tokens < budget.num_wanted:
                 return RequestError(
-                    index, self._too_sparse("the prompt", first, budget.num_wanted, len(text))
+                    index, too_sparse("the prompt", first, budget.num_wanted, len(text))
                 )
             if not budget.truncate:
                 num_tokens = first.num_tokens + self._num_special
-                message = self._too_long("the prompt", num_tokens, first.num_chars_read, len(text))
+                message = too_long(
+                    self.max_model_len, "the prompt", num_tokens, first.num_chars_read, len(text)
+                )
                 return RequestError(index, message)
         num_kept = budget.num_tokens if budget.truncate else None
         ids = keep(first.token_ids, num_kept, params.truncation_side)
@@ -279,7 +272,7 @@ class InputProcessor:
         (or, for a decoder reranker, rendered into its score template: `_process_templated`).
         With chunked processing, a pair too long for the model becomes a ChunkedInput."""
         if self.score_template is not None:
-            return self._process_templated(pairs, params, self.score_template)  # type: ignore[return-value]
+            return self._process_templated(pairs, params, self.score_template)
         results: list[Request | RequestError | ChunkedInput | None] = [None] * len(pairs)
         ok: list[tuple[int, Budget]] = []
         for i, (first, second) in enumerate(pairs):
@@ -333,7 +326,7 @@ class InputProcessor:
         first, second = sides
         wanted = budget.num_tokens + 1
         sparse = [
-            self._too_sparse(f"the {name} text of the pair", side, wanted, len(text))
+            too_sparse(f"the {name} text of the pair", side, wanted, len(text))
             for name, side, text in zip(("first", "second"), sides, texts, strict=True)
             if not side.complete and side.num_tokens < wanted
         ]
@@ -348,7 +341,8 @@ class InputProcessor:
         elif not (first.complete and second.complete):  # a side over the budget: too long
             return RequestError(
                 index,
-                self._too_long(
+                too_long(
+                    self.max_model_len,
                     "the pair",
                     first.num_tokens + second.num_tokens + self._num_special_pair,
                     first.num_chars_read + second.num_chars_read,
@@ -381,10 +375,10 @@ class InputProcessor:
         pairs: Sequence[tuple[Any, Any]],
         params: Sequence[PoolingParams],
         template: ScoreTemplate,
-    ) -> list[Request | RequestError]:
+    ) -> list[Request | RequestError | ChunkedInput]:
         """Each pair rendered into ONE prompt (no token types), then checked as a single text."""
         texts, errors = render_pairs(template, pairs, params, self._pair_side_error)
-        results: dict[int, Request | RequestError] = {
+        results: dict[int, Request | RequestError | ChunkedInput] = {
             i: RequestError(i, m) for i, m in errors.items()
         }
         ok = sorted(texts)
@@ -448,7 +442,13 @@ class InputProcessor:
             else:
                 texts.append((i, p.text))  # type: ignore[arg-type]
         keeps_last = [params[i].truncate_prompt_tokens is not None for i, _ in texts]
-        encoded = self._tokenize_generate([t for _, t in texts], keeps_last, add_special_tokens)
+        encoded = tokenize_generate(
+            self._prefix_tokenizer,
+            self.max_model_len,
+            [t for _, t in texts],
+            keeps_last,
+            add_special_tokens,
+        )
         for (i, _), ids_or_error in zip(texts, encoded, strict=True):
             if isinstance(ids_or_error, str):
                 results[i] = RequestError(i, ids_or_error)
@@ -472,56 +472,3 @@ class InputProcessor:
                     eos_token_ids=eos_token_ids,
                 )
         return results  # type: ignore[return-value]
-
-    def _tokenize_generate(
-        self, texts: list[str], keeps_last: list[bool], add_special_tokens: bool
-    ) -> list[list[int] | str]:
-        """Token ids (special tokens included) of each text, or why it is refused. Without
-        truncation, a prefix one token over the limit refuses a text; keeping the last tokens
-        needs the whole text, so its length is capped by the read limit instead."""
-        num_special = self._prefix_tokenizer.num_special_tokens(False, add_special_tokens)
-        num_wanted = max(self.max_model_len - num_special, 0) + 1
-        limit = read_limit(self.max_model_len)
-        out: list[list[int] | str] = []
-        readable = [k for k, text in enumerate(texts) if not (keeps_last[k] and len(text) > limit)]
-        firsts = self._prefix_tokenizer.first_tokens(
-            [texts[k] for k in readable],
-            # Wanting as many tokens as characters makes the read limit cover the whole text.
-            [len(texts[k]) if keeps_last[k] else num_wanted for k in readable],
-        )
-        by_index = dict(zip(readable, firsts, strict=True))
-        for k, text in enumerate(texts):
-            first = by_index.get(k)
-            if first is None:
-                out.append(
-                    f"the prompt has {len(text):,} characters; truncate_prompt_tokens keeps the "
-                    "last tokens, which needs the whole text read, and tidepool reads at most "
-                    f"{limit:,} ({CHARS_PER_TOKEN} per token of max_model_len): shorten it"
-                )
-            elif not first.complete:
-                out.append(
-                    self._too_sparse("the prompt", first, num_wanted, len(text))
-                    if first.num_tokens < num_wanted
-                    else self._too_long(
-                        "the prompt",
-                        first.num_tokens + num_special,
-                        first.num_chars_read,
-                        len(text),
-                    )
-                )
-            else:
-                ids, _ = self._prefix_tokenizer.with_special_tokens(
-                    first.token_ids, None, add_special_tokens
-                )
-                out.append(ids)
-        return out
-
-
-def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    """Where generation stops: generation_config.json's EOS ids, then the tokenizer's if it is not
-    among them."""
-    ids = list(model_config.eos_token_ids)
-    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
-    if tokenizer_eos is not None and tokenizer_eos not in ids:
-        ids.append(int(tokenizer_eos))
-    return tuple(ids)

@@ -1,10 +1,12 @@
 """Truncation rules of the input processor: how many tokens of text a prompt may keep, how a
-pair's budget is split between its two texts, and which end of a text is kept."""
+pair's budget is split between its two texts, which end of a text is kept, and the messages of
+the texts refused for their length."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidepool.engine.prefix_tokenizer import CHARS_PER_TOKEN, FirstTokens
 from tidepool.params import PoolingParams
 
 
@@ -52,3 +54,24 @@ def keep(token_ids: list[int], num_tokens: int | None, side: str) -> list[int]:
     if side == "left":
         return token_ids[max(len(token_ids) - num_tokens, 0) :]
     return token_ids[:num_tokens]
+
+
+def too_long(
+    max_model_len: int, what: str, num_tokens: int, num_chars_read: int, num_chars: int
+) -> str:
+    """Why a text is refused as too long; only a prefix was read, so the count is a lower bound."""
+    return (
+        f"{what} is longer than {max_model_len} tokens, the model's maximum "
+        f"(max_model_len): its first {num_chars_read:,} of {num_chars:,} characters already "
+        f"give {num_tokens} tokens; shorten it or pass truncate_prompt_tokens to truncate"
+    )
+
+
+def too_sparse(what: str, first: FirstTokens, num_wanted: int, num_chars: int) -> str:
+    """Why a text is refused whose first characters (the read limit) give too few tokens."""
+    return (
+        f"{what} has {num_chars:,} characters and its first {first.num_chars_read:,} give "
+        f"only {first.num_tokens} tokens; tidepool reads at most {CHARS_PER_TOKEN} "
+        f"characters per token it needs ({num_wanted} here), so a text this sparse (long "
+        "runs of whitespace or of characters without a break) must be shortened"
+    )

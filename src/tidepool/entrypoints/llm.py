@@ -21,8 +21,9 @@ from tidepool.engine.args import (
 )
 from tidepool.engine.chunked import combine, expand, has_chunks
 from tidepool.engine.engine_core import EngineCore, EngineMetrics
+from tidepool.engine.generate_inputs import eos_token_ids
 from tidepool.engine.generation_stream import GenerationInput
-from tidepool.engine.input_processor import InputProcessor, eos_token_ids
+from tidepool.engine.input_processor import InputProcessor
 from tidepool.engine.llm_engine import LLMEngine
 from tidepool.engine.pooling import (
     cosine_scores,
@@ -36,6 +37,12 @@ from tidepool.engine.pooling import (
 )
 from tidepool.engine.prompts import check_prompt_name
 from tidepool.engine.tasks import check_task_supported
+from tidepool.entrypoints.llm_outputs import (
+    completions,
+    late_interaction_failures,
+    pair_score_outputs,
+    prompt_text,
+)
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import (
     BatchInputError,
@@ -73,31 +80,6 @@ def _as_list(prompts: PromptsArg, what: str = "prompts") -> list:
     raise TypeError(
         f"{what} must be a string, a dict prompt or a list of them, got {type(prompts).__name__}"
     )
-
-
-def _late_failures(
-    pair_slots: list[tuple[int, int]],
-    query_errors: list[RequestError],
-    document_errors: list[RequestError],
-) -> list[RequestError]:
-    """Per pair whose query or document failed, why (both sides' messages)."""
-    failed_q = {e.index: e.message for e in query_errors}
-    failed_d = {e.index: e.message for e in document_errors}
-    errors = []
-    for i, (q, d) in enumerate(pair_slots):
-        bad = [f"data_1: {failed_q[q]}"] if q in failed_q else []
-        bad += [f"data_2: {failed_d[d]}"] if d in failed_d else []
-        if bad:
-            errors.append(RequestError(i, "; ".join(bad)))
-    return errors
-
-
-def _prompt_text(prompt: Any) -> str | None:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"]
-    return None
 
 
 class LLM:
@@ -204,6 +186,7 @@ class LLM:
         truncate_prompt_tokens: int | None,
         use_tqdm: bool,
         keep_own_task: bool = False,
+        *,
         prompt_name: str | None = None,
     ) -> tuple[list[PoolingRequestOutput | None], list[RequestError]]:
         prompt_list = _as_list(prompts)
@@ -251,7 +234,7 @@ class LLM:
             truncate_prompt_tokens,
             use_tqdm,
             pooling_task is None,
-            prompt_name,
+            prompt_name=prompt_name,
         )
         return self._finish(results, errors, lambda r: r)
 
@@ -269,7 +252,12 @@ class LLM:
         does: `llm.embed(queries, prompt_name="query")`; None: its default_prompt_name."""
         check_task_supported(self.model_config, "embed")
         results, errors = self._encode_raw(
-            prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm, prompt_name
+            prompts,
+            "embed",
+            pooling_params,
+            truncate_prompt_tokens,
+            use_tqdm,
+            prompt_name=prompt_name,
         )
         return self._finish(results, errors, EmbeddingRequestOutput.from_base)
 
@@ -363,19 +351,7 @@ class LLM:
         embeddings = [None if r is None else r.outputs.data for r in results]
         scores = cosine_scores(embeddings, plan.pair_slots)
         failures = pair_failures(plan.pair_slots, {e.index: e.message for e in text_errors})
-        outputs: list[ScoringRequestOutput | None] = []
-        for (a, b), score in zip(plan.pair_slots, scores, strict=True):
-            ea, eb = results[a], results[b]
-            if score is None or ea is None or eb is None:
-                outputs.append(None)
-                continue
-            outputs.append(
-                ScoringRequestOutput(
-                    f"score-{ea.request_id}-{eb.request_id}",
-                    ea.prompt_token_ids + eb.prompt_token_ids,
-                    ScoringOutput(score),
-                )
-            )
+        outputs = pair_score_outputs(results, results, plan.pair_slots, scores)
         if failures:
             errors = [RequestError(i, message) for i, message in sorted(failures.items())]
             raise BatchInputError(errors, outputs)
@@ -391,7 +367,12 @@ class LLM:
         plan = plan_late_interaction_scores(pairs)
         run = [
             self._encode_raw(
-                texts, "token_embed", pooling_params, truncate_prompt_tokens, use_tqdm, role
+                texts,
+                "token_embed",
+                pooling_params,
+                truncate_prompt_tokens,
+                use_tqdm,
+                prompt_name=role,
             )
             for texts, role in ((plan.queries, "query"), (plan.documents, "document"))
         ]
@@ -401,20 +382,8 @@ class LLM:
             [None if r is None else r.outputs.data for r in documents],
             plan.pair_slots,
         )
-        failures = _late_failures(plan.pair_slots, query_errors, document_errors)
-        outputs: list[ScoringRequestOutput | None] = []
-        for (q, d), score in zip(plan.pair_slots, scores, strict=True):
-            query, document = queries[q], documents[d]
-            if score is None or query is None or document is None:
-                outputs.append(None)
-                continue
-            outputs.append(
-                ScoringRequestOutput(
-                    f"score-{query.request_id}-{document.request_id}",
-                    query.prompt_token_ids + document.prompt_token_ids,
-                    ScoringOutput(score),
-                )
-            )
+        failures = late_interaction_failures(plan.pair_slots, query_errors, document_errors)
+        outputs = pair_score_outputs(queries, documents, plan.pair_slots, scores)
         if failures:
             raise BatchInputError(failures, outputs)
         return outputs  # type: ignore[return-value]
@@ -486,7 +455,7 @@ class LLM:
                 f"generate() needs a generative model; {self.model_config.architecture} is a "
                 f"{self.model_config.task} model (load a *ForCausalLM, or runner='generate')"
             )
-        children = _completions(len(prompts), sampling_params)
+        children = completions(len(prompts), sampling_params)
         items = self.input_processor.process_generate(
             [prompts[i] for i, _, _ in children],
             [p for _, _, p in children],
@@ -495,7 +464,7 @@ class LLM:
         )
         accepted = [j for j, item in enumerate(items) if isinstance(item, Request)]
         inputs = [
-            GenerationInput(items[j], _prompt_text(prompts[children[j][0]]), children[j][1])  # type: ignore[arg-type]
+            GenerationInput(items[j], prompt_text(prompts[children[j][0]]), children[j][1])  # type: ignore[arg-type]
             for j in accepted
         ]
         outputs, rejected = self.llm_engine.run_batch(inputs, use_tqdm)
@@ -518,24 +487,3 @@ class LLM:
         if errors:
             raise BatchInputError([RequestError(i, m) for i, m in sorted(errors.items())], results)
         return results  # type: ignore[return-value]
-
-
-def _completions(
-    num_prompts: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
-) -> list[tuple[int, int, SamplingParams]]:
-    """(prompt index, completion index, its parameters) of every completion to run: n > 1 runs
-    as n requests of n=1; a seeded request gives completion k the seed + k, as vLLM does."""
-    if sampling_params is None:
-        sampling_params = SamplingParams()
-    params = (
-        [sampling_params] * num_prompts
-        if isinstance(sampling_params, SamplingParams)
-        else list(sampling_params)
-    )
-    if len(params) != num_prompts:
-        raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts")
-    return [
-        (i, k, p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + k))
-        for i, p in enumerate(params)
-        for k in range(p.n)
-    ]
