@@ -362,7 +362,7 @@ class AsyncEngine:
             self._num_admitted -= 1
             self._release_tokens(num_tokens)
 
-        return GenerationStream(group, abort=lambda: self._inbox.put(_Abort(group)), release=release)
+        return GenerationStream(group, lambda: self._inbox.put(_Abort(group)), release)
 
     @contextlib.contextmanager
     def _admit(self) -> Iterator[None]:
