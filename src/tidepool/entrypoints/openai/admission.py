@@ -172,16 +172,24 @@ def seconds_left(scope: Scope) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
-async def within_deadline(
+def within_deadline(
     events: AsyncIterator[str], scope: Scope, admission: Admission
 ) -> AsyncIterator[str]:
-    """A server-sent event stream cut at the request's deadline: waiting for the next event
-    is cancelled there (the stream's finally aborts its engine requests), then a 503 error event
-    and [DONE] end it."""
+    """A server-sent event stream cut at the request's deadline (without one: `events` itself,
+    nothing added per event)."""
+    if scope.get(DEADLINE) is None:
+        return events
+    return _cut_at_deadline(events, scope, admission)
+
+
+async def _cut_at_deadline(
+    events: AsyncIterator[str], scope: Scope, admission: Admission
+) -> AsyncIterator[str]:
+    """Waiting for the next event is cancelled at the deadline (the stream's own cleanup aborts
+    its engine requests), then a 503 error event and [DONE] end the stream."""
     while True:
-        left = seconds_left(scope)
         try:
-            async with asyncio.timeout(left):
+            async with asyncio.timeout(seconds_left(scope)):
                 event = await anext(events)
         except StopAsyncIteration:
             return
