@@ -27,6 +27,13 @@ def free_port() -> int:
 def running_server(model: str, extra_args: list[str]) -> Iterator[str]:
     """`tidepool serve MODEL EXTRA_ARGS` on a free port: yields its URL once /health answers 200,
     then stops it with SIGTERM (a graceful drain). Exits the script if the server does not start."""
+    with running_server_process(model, extra_args) as (url, _pid):
+        yield url
+
+
+@contextmanager
+def running_server_process(model: str, extra_args: list[str]) -> Iterator[tuple[str, int]]:
+    """`running_server`, yielding the URL and the server's process id (soak.py reads its RSS)."""
     port = free_port()
     command = [sys.executable, "-m", "tidepool.entrypoints.cli", "serve", model, "--host",
                "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
@@ -47,7 +54,7 @@ def running_server(model: str, extra_args: list[str]) -> Iterator[str]:
             raise SystemExit("the server did not start")
         time.sleep(0.3)
     try:
-        yield url
+        yield url, process.pid
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(60)

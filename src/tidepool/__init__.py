@@ -24,11 +24,13 @@ from tidepool.outputs import (  # noqa: E402
     ScoringRequestOutput,
 )
 from tidepool.params import PoolingParams, SamplingParams  # noqa: E402
+from tidepool.quantize import quantize_embeddings  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "quantize_embeddings",
     "PoolingParams",
     "SamplingParams",
     "RequestOutput",

@@ -52,6 +52,27 @@ class SentenceTransformersMeta:
 
 
 @dataclass(frozen=True)
+class SparseHeadConfig:
+    """How a sparse head turns token scores into (token id, weight) pairs."""
+
+    pooling_strategy: str = "max"
+    """SPLADE: "max" or "sum" over the text's tokens (SpladePooling's pooling_strategy)."""
+    activation_function: str = "relu"
+    """SPLADE: "relu" (log(1 + relu(x))) or "log1p_relu" (log(1 + log(1 + relu(x))))."""
+    skip_token_ids: tuple[int, ...] = ()
+    """BGE-M3: token ids that never get a weight (CLS, EOS, PAD, UNK, as FlagEmbedding)."""
+
+
+OUTPUT_HEADS: dict[str, tuple[str, ...]] = {
+    "task": (),
+    "splade": ("embed_sparse",),
+    "bge_m3": ("embed", "embed_sparse", "token_embed", "token_classify"),
+    "token_classifier": ("token_classify",),
+}
+"""Output head → the pooling tasks it serves ("task": what the model's task implies)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The model: where it is, what it is, what it runs as (models/resolve.py builds it)."""
 
@@ -85,10 +106,20 @@ class ModelConfig:
     tidepool's attention: models/transformers_backend.py)."""
     trust_remote_code: bool = False
     """The transformers backend may run modeling code shipped in the model folder."""
+    output_head: str = "task"
+    """The head outputs come from (OUTPUT_HEADS): "task" (the task's own: embeddings, sequence
+    logits, LM logits), "splade" (an MLM head, SPLADE-pooled), "bge_m3" (dense + sparse +
+    multi-vector) or "token_classifier" (per-token labels)."""
+    sparse: SparseHeadConfig | None = None
+    """Sparse pooling settings of the "splade" and "bge_m3" heads."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.output_head not in OUTPUT_HEADS:
+            raise ValueError(
+                f"output_head must be one of {', '.join(OUTPUT_HEADS)}, got {self.output_head!r}"
+            )
 
     @property
     def runner_type(self) -> str:
@@ -99,9 +130,14 @@ class ModelConfig:
     def pooling_tasks(self) -> tuple[str, ...]:
         """The pooling tasks this model serves (the one rule the pooler and the entry points
         read): a classifier classifies, and with one label also scores (a cross-encoder's
-        relevance, sigmoid); any other pooling model embeds; a generating model pools nothing."""
+        relevance, sigmoid); any other pooling model embeds; a generating model pools nothing.
+        A model with its own output head serves that head's tasks (OUTPUT_HEADS): a SPLADE
+        model sparse embeddings, BGE-M3 dense, sparse and multi-vector, a token classifier
+        per-token labels."""
         if self.task == "generate":
             return ()
+        if self.output_head != "task":
+            return OUTPUT_HEADS[self.output_head]
         if self.task == "classify":
             return ("classify", "score") if self.num_labels == 1 else ("classify",)
         return ("embed", "token_embed")
@@ -111,8 +147,15 @@ class ModelConfig:
         return int(getattr(self.hf_config, "num_labels", 1))
 
     @property
+    def default_pooling_task(self) -> str:
+        """The pooling task of a call that names none: the model's first (embed for an
+        embedder, classify for a classifier, token_classify for a token classifier)."""
+        tasks = self.pooling_tasks
+        return tasks[0] if tasks else "embed"
+
+    @property
     def is_cross_encoder(self) -> bool:
-        return self.task == "classify"
+        return self.task == "classify" and self.output_head == "task"
 
     @property
     def uses_token_type_ids(self) -> bool:

@@ -45,3 +45,19 @@ def apply_openmp_defaults() -> bool:
         return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return os.environ["OMP_WAIT_POLICY"].upper() == "PASSIVE"
+
+
+def onednn_cache_capacity() -> int | str:
+    """TIDEPOOL_ONEDNN_CACHE_CAPACITY: entries in each of oneDNN's shape-keyed primitive caches
+    (worker/memory.py). "auto" (default): 256 for float32 models, torch's 1,024 for bfloat16 /
+    float16 (their AMX primitives take milliseconds to build), with the heap trimmed after
+    steps; a count: that many, trimmed; "torch": torch's 1,024 and no trimming (memory then
+    grows with every new step shape)."""
+    value = (os.environ.get("TIDEPOOL_ONEDNN_CACHE_CAPACITY") or "auto").lower()
+    if value in ("auto", "torch"):
+        return value
+    if not value.isdigit():
+        raise ValueError(
+            f"TIDEPOOL_ONEDNN_CACHE_CAPACITY must be auto, torch or a count, got {value!r}"
+        )
+    return int(value)

@@ -72,6 +72,47 @@ class ClassificationRequestOutput:
 
 
 @dataclass
+class SparseEmbeddingOutput:
+    """A sparse embedding: the token ids with a weight (ascending ids) and their weights."""
+
+    indices: list[int]
+    """Token ids (vocabulary positions) with a non-zero weight, ascending."""
+    values: list[float]
+    """The weight of each id in `indices`."""
+    tokens: list[str] | None = None
+    """The tokens of `indices` as strings, when asked for (`return_tokens=True`)."""
+
+    def as_dict(self) -> dict[int, float]:
+        """token id → weight."""
+        return dict(zip(self.indices, self.values, strict=True))
+
+
+@dataclass
+class SparseEmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: SparseEmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput, tokenizer=None) -> SparseEmbeddingRequestOutput:
+        """From an embed_sparse output (a sparse [vocab] tensor); `tokenizer` fills `tokens`."""
+        indices, values = sparse_pairs(out.outputs.data)
+        tokens = None if tokenizer is None else tokenizer.convert_ids_to_tokens(indices)
+        return cls(
+            out.request_id, out.prompt_token_ids, SparseEmbeddingOutput(indices, values, tokens)
+        )
+
+
+def sparse_pairs(data: torch.Tensor) -> tuple[list[int], list[float]]:
+    """A sparse [vocab] tensor (an embed_sparse output) → (token ids ascending, weights)."""
+    if not data.is_sparse:
+        raise ValueError("a sparse embedding output must be a sparse tensor (task embed_sparse)")
+    data = data.coalesce()
+    return data.indices()[0].tolist(), data.values().tolist()
+
+
+@dataclass
 class ScoringOutput:
     score: float
 

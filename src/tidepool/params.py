@@ -5,10 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-PoolingTask = Literal["embed", "classify", "score", "token_embed", "token_classify"]
-POOLING_TASKS: tuple[str, ...] = ("embed", "classify", "score", "token_embed", "token_classify")
-"""Task names a request may carry (vLLM's). No pooler serves token_classify yet: the model's
-Pooler.check_params refuses it, naming the tasks the model serves."""
+PoolingTask = Literal["embed", "classify", "score", "token_embed", "token_classify", "embed_sparse"]
+POOLING_TASKS: tuple[str, ...] = (
+    "embed",
+    "classify",
+    "score",
+    "token_embed",
+    "token_classify",
+    "embed_sparse",
+)
+"""Task names a request may carry: vLLM's, and "embed_sparse" (TEI's /embed_sparse: (token id,
+weight) pairs of a SPLADE or BGE-M3 model). A model serves some of them
+(`ModelConfig.pooling_tasks`); the pooler refuses the others, naming the ones it serves."""
 
 
 @dataclass
@@ -25,8 +33,18 @@ class PoolingParams:
     """Classify / score: apply softmax (sigmoid for one label). None = yes."""
     truncate_prompt_tokens: int | None = None
     """Keep at most this many tokens (special tokens included); -1 = the model's max length."""
+    truncation_side: Literal["right", "left"] = "right"
+    """Which end of a text `truncate_prompt_tokens` keeps: "right" cuts the end (keeps the first
+    tokens), "left" cuts the start (keeps the last; Cohere's truncate=START, TEI's Left)."""
+    max_active_dims: int | None = None
+    """embed_sparse: keep the largest this many weights (sentence-transformers' name); None =
+    every non-zero weight."""
 
     def __post_init__(self) -> None:
+        if self.truncation_side not in ("right", "left"):
+            raise ValueError(
+                f"truncation_side must be 'right' or 'left', got {self.truncation_side!r}"
+            )
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"unknown pooling task {self.task!r}; expected one of {POOLING_TASKS}")
         if self.dimensions is not None:
@@ -34,6 +52,9 @@ class PoolingParams:
                 raise ValueError(f"dimensions must be an integer, got {self.dimensions!r}")
             if self.dimensions < 1:
                 raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
+        mad = self.max_active_dims
+        if mad is not None and (isinstance(mad, bool) or not isinstance(mad, int) or mad < 1):
+            raise ValueError(f"max_active_dims must be a positive integer, got {mad!r}")
         tpt = self.truncate_prompt_tokens
         if tpt is not None:
             if isinstance(tpt, bool) or not isinstance(tpt, int):
@@ -48,6 +69,8 @@ class PoolingParams:
             normalize=self.normalize,
             activation=self.activation,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side,
+            max_active_dims=self.max_active_dims,
         )
 
 

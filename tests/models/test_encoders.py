@@ -232,19 +232,3 @@ def test_roberta_classifier_softmax_probs(tiny_llm, hf_reference, report_toleran
 def test_classify_on_embedding_model_is_rejected(tiny_llm):
     with pytest.raises(ValueError, match="classify\\(\\) needs a model with a classification head"):
         tiny_llm("bert").classify(["x"], use_tqdm=False)
-
-
-@pytest.mark.parametrize(
-    "kind,supported", [("bert", "embed, token_embed"), ("bert-cross-encoder", "classify, score")]
-)
-def test_token_classify_is_refused_naming_the_supported_tasks(kind, supported, tiny_llm):
-    """token_classify is a task name requests may carry, but no pooler serves it (yet): refused
-    before any work, with the tasks the model does serve."""
-    llm = tiny_llm(kind)
-    pooler = llm.engine.model_runner.pooler
-    assert "token_classify" not in pooler.supported_tasks()
-    message = f"'token_classify' is not served.*this model serves: {supported}$"
-    with pytest.raises(ValueError, match=message):
-        pooler.check_params(PoolingParams(task="token_classify"))
-    with pytest.raises(ValueError, match=message):
-        llm.encode(["a text"], pooling_task="token_classify", use_tqdm=False)

@@ -129,3 +129,50 @@ def test_sentence_transformers_prompt_lowercase_and_max_length(tiny_model_path, 
     assert request.prompt_token_ids != processor.tokenizer("The Quick Fox")["input_ids"]
     with pytest.raises(ValueError, match="max_model_len=17 is larger than the model allows"):
         build_model_config(str(folder), device="cpu", max_model_len=17)
+
+
+def test_left_truncation_keeps_the_last_tokens(bert, tiny_model_path):
+    """truncation_side="left" (Cohere's START, TEI's Left) equals transformers' left truncation."""
+    text = " ".join(f"w{i}" for i in range(200))
+    left, right = bert.process(
+        [text, text],
+        [
+            PoolingParams(task="embed", truncate_prompt_tokens=9, truncation_side="left"),
+            PoolingParams(task="embed", truncate_prompt_tokens=9),
+        ],
+    )
+    bert.tokenizer.truncation_side = "left"
+    try:
+        expected = bert.tokenizer(text, truncation=True, max_length=9)["input_ids"]
+    finally:
+        bert.tokenizer.truncation_side = "right"
+    assert left.prompt_token_ids == expected
+    assert (
+        right.prompt_token_ids == bert.tokenizer(text, truncation=True, max_length=9)["input_ids"]
+    )
+    assert left.prompt_token_ids[1:-1] != right.prompt_token_ids[1:-1]
+    [ids] = bert.process(
+        [{"prompt_token_ids": [1, 2, 3, 4]}],
+        _params(1, truncate_prompt_tokens=2, truncation_side="left"),
+    )
+    assert ids.prompt_token_ids == [3, 4]
+    # Without truncate_prompt_tokens the side changes nothing; a huge text is refused, not read.
+    [short] = bert.process(["tide pool"], _params(1, truncation_side="left"))
+    assert short.prompt_token_ids == bert.tokenizer("tide pool")["input_ids"]
+    [huge] = bert.process(
+        ["x " * 10**6], _params(1, truncate_prompt_tokens=-1, truncation_side="left")
+    )
+    assert isinstance(huge, RequestError) and "whole text" in huge.message
+    # Pairs: the last tokens of each side, the special tokens in place.
+    processor = _processor(tiny_model_path("bert-cross-encoder"))
+    pair = ("first " + text, "second " + text)
+    [cut] = processor.process_pairs(
+        [pair], _params(1, truncate_prompt_tokens=11, truncation_side="left")
+    )
+    processor.tokenizer.truncation_side = "left"
+    try:
+        enc = processor.tokenizer(*pair, truncation="longest_first", max_length=11)
+    finally:
+        processor.tokenizer.truncation_side = "right"
+    assert cut.prompt_token_ids == enc["input_ids"]
+    assert cut.token_type_ids == enc["token_type_ids"]

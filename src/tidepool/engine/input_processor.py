@@ -9,7 +9,9 @@ after construction but the request-id counter (itertools.count: atomic under the
 truncate_prompt_tokens counts special tokens, as in vLLM and transformers: 8 on BERT keeps
 [CLS] + 6 tokens of text + [SEP]. A value that leaves no token of text (1 or 2 on BERT, fewer than
 5 for a pair) is refused; -1 means max_model_len. Token-id prompts get no special tokens added, so
-there it is the number of ids kept.
+there it is the number of ids kept. PoolingParams.truncation_side "left" keeps the last tokens
+instead of the first (special tokens stay where they are): that needs the whole text read, so
+such a text may have at most `read_limit(max_model_len)` characters.
 """
 
 from __future__ import annotations
@@ -221,14 +223,18 @@ class InputProcessor:
                 except ValueError as e:
                     results[i] = RequestError(i, str(e))
                     continue
-                ids = p.token_ids if max_len is None else p.token_ids[:max_len]
+                ids = _keep(p.token_ids, max_len, params[i].truncation_side)
                 results[i] = self._make(i, ids, None, params[i])
             elif isinstance(budget := self._budget(params[i], pair=False), str):
                 results[i] = RequestError(i, budget)
+            elif error := self._left_read_error(p.text, budget, params[i]):  # type: ignore[arg-type]
+                results[i] = RequestError(i, error)
             else:
                 texts.append((i, p.text, budget))  # type: ignore[arg-type]
         firsts = self._prefix_tokenizer.first_tokens(
-            [text for _, text, _ in texts], [b.num_wanted for *_, b in texts], self._prepare_text
+            [text for _, text, _ in texts],
+            [self._num_to_read(text, b, params[i]) for i, text, b in texts],
+            self._prepare_text,
         )
         for (i, text, budget), first in zip(texts, firsts, strict=True):
             results[i] = self._finish_text(i, text, first, budget, params[i])
@@ -246,7 +252,8 @@ class InputProcessor:
                 num_tokens = first.num_tokens + self._num_special
                 message = self._too_long("the prompt", num_tokens, first.num_chars_read, len(text))
                 return RequestError(index, message)
-        ids = first.token_ids[: budget.num_tokens] if budget.truncate else first.token_ids
+        num_kept = budget.num_tokens if budget.truncate else None
+        ids = _keep(first.token_ids, num_kept, params.truncation_side)
         ids, types = self._prefix_tokenizer.with_special_tokens(ids)
         return self._make(index, ids, types if self.keep_token_types else None, params)
 
@@ -266,14 +273,22 @@ class InputProcessor:
                 results[i] = RequestError(i, "; ".join(errors))
             elif isinstance(budget := self._budget(params[i], pair=True), str):
                 results[i] = RequestError(i, budget)
+            elif errors := [
+                msg for text in pairs[i] if (msg := self._left_read_error(text, budget, params[i]))
+            ]:
+                results[i] = RequestError(i, errors[0])
             else:
                 ok.append((i, budget))
         # Both modes read one token more than the budget of each side: enough to know whether a
-        # side is longer than the budget, which is all that longest_first needs.
-        wanted = [budget.num_tokens + 1 for _, budget in ok]
+        # side is longer than the budget, which is all that longest_first needs (the whole side
+        # when the last tokens are kept).
         sides = self._prefix_tokenizer.first_tokens(
-            [pairs[i][0] for i, _ in ok] + [pairs[i][1] for i, _ in ok],
-            wanted + wanted,
+            [pairs[i][side] for side in (0, 1) for i, _ in ok],
+            [
+                len(pairs[i][side]) if _keeps_last(b, params[i]) else b.num_tokens + 1
+                for side in (0, 1)
+                for i, b in ok
+            ],
             self._prepare_text,
         )
         for k, (i, budget) in enumerate(ok):
@@ -302,7 +317,8 @@ class InputProcessor:
             keep_first, keep_second = longest_first(
                 first.num_tokens, second.num_tokens, budget.num_tokens
             )
-            first_ids, second_ids = first.token_ids[:keep_first], second.token_ids[:keep_second]
+            first_ids = _keep(first.token_ids, keep_first, params.truncation_side)
+            second_ids = _keep(second.token_ids, keep_second, params.truncation_side)
         elif not (first.complete and second.complete):  # a side over the budget: too long
             return RequestError(
                 index,
@@ -317,6 +333,22 @@ class InputProcessor:
             first_ids, second_ids = first.token_ids, second.token_ids
         ids, types = self._prefix_tokenizer.with_special_tokens(first_ids, second_ids)
         return self._make(index, ids, types if self.keep_token_types else None, params)
+
+    @staticmethod
+    def _num_to_read(text: str, budget: _Budget, params: PoolingParams) -> int:
+        """Tokens to read from a text: keeping the last ones needs them all (wanting as many
+        tokens as characters makes the read limit cover the whole text)."""
+        return len(text) if _keeps_last(budget, params) else budget.num_wanted
+
+    def _left_read_error(self, text: str, budget: _Budget, params: PoolingParams) -> str | None:
+        limit = read_limit(self.max_model_len)
+        if _keeps_last(budget, params) and len(text) > limit:
+            return (
+                f"the text has {len(text):,} characters; truncation from the left keeps the last "
+                "tokens, which needs the whole text read, and tidepool reads at most "
+                f"{limit:,} ({CHARS_PER_TOKEN} per token of max_model_len): shorten it"
+            )
+        return None
 
     @property
     def _num_special_pair(self) -> int:
@@ -439,6 +471,19 @@ class InputProcessor:
                 )
                 out.append(ids)
         return out
+
+
+def _keeps_last(budget: _Budget, params: PoolingParams) -> bool:
+    return budget.truncate and params.truncation_side == "left"
+
+
+def _keep(token_ids: list[int], num_tokens: int | None, side: str) -> list[int]:
+    """The first `num_tokens` ids ("right": the end is cut), or the last ("left"); None = all."""
+    if num_tokens is None:
+        return token_ids
+    if side == "left":
+        return token_ids[max(len(token_ids) - num_tokens, 0) :]
+    return token_ids[:num_tokens]
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:

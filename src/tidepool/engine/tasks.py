@@ -21,9 +21,18 @@ _NEEDS = {
     "token_embed": "an embedding model",
     "classify": "a model with a classification head",
     "score": "a cross-encoder (a classification head with one label) or an embedding model",
+    "embed_sparse": "a sparse embedding model (SPLADE, BGE-M3)",
+    "token_classify": "a token classification model (*ForTokenClassification) or BGE-M3",
 }
 _KIND = {"embed": "an embedding model", "classify": "a classification model", "generate": "a "
          "generating model"}  # fmt: skip
+
+
+_HEAD_KIND = {
+    "splade": "a SPLADE sparse embedding model",
+    "bge_m3": "a BGE-M3 model",
+    "token_classifier": "a token classification model",
+}
 
 
 def check_task_supported(model_config: ModelConfig, task: str) -> None:
@@ -36,6 +45,8 @@ def check_task_supported(model_config: ModelConfig, task: str) -> None:
     if task in tasks or (task == "score" and "embed" in tasks):
         return
     needs = _NEEDS.get(task, f"a model that supports {task!r}")
-    kind = _KIND.get(model_config.task, f"a {model_config.task} model")
+    kind = _HEAD_KIND.get(model_config.output_head) or _KIND.get(
+        model_config.task, f"a {model_config.task} model"
+    )
     offers = f"it supports {', '.join(tasks)}" if tasks else "it serves no pooling task"
     raise ValueError(f"{task}() needs {needs} ({model_config.architecture} is {kind}; {offers})")

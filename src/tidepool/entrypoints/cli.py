@@ -161,6 +161,19 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="seconds to finish in-flight requests on SIGTERM",
     )
     parser.add_argument(
+        "--embedding-calibration",
+        default=None,
+        metavar="FILE",
+        help="int8/uint8 embedding ranges: a .npy of shape [2, dim], or texts, one per line "
+        "(default: none, int8/uint8 requests get 400)",
+    )
+    parser.add_argument(
+        "--api-style",
+        default="openai",
+        choices=["openai", "tei"],
+        help="who answers /rerank and /tokenize: vLLM's shapes (openai) or TEI's (default: openai)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],

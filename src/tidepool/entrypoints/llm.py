@@ -26,7 +26,6 @@ from tidepool.engine.llm_engine import LLMEngine
 from tidepool.engine.pooling import (
     cosine_scores,
     cross_encoder_score,
-    default_pooling_task,
     expand_score_pairs,
     pair_failures,
     plan_embedding_scores,
@@ -42,6 +41,7 @@ from tidepool.outputs import (
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
+    SparseEmbeddingRequestOutput,
 )
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
@@ -115,6 +115,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         task: str,
         truncate_prompt_tokens: int | None,
+        keep_own_task: bool = False,
     ) -> list[PoolingParams]:
         if pooling_params is None:
             params = [PoolingParams()] * num
@@ -128,7 +129,7 @@ class LLM:
                 )
         out = []
         for p in params:
-            p = p.with_task(task)  # type: ignore[arg-type]
+            p = p.with_task(p.task if keep_own_task and p.task else task)  # type: ignore[arg-type]
             if truncate_prompt_tokens is not None:
                 p.truncate_prompt_tokens = truncate_prompt_tokens
                 p.__post_init__()
@@ -165,9 +166,12 @@ class LLM:
         pooling_params,
         truncate_prompt_tokens: int | None,
         use_tqdm: bool,
+        keep_own_task: bool = False,
     ) -> tuple[list[PoolingRequestOutput | None], list[RequestError]]:
         prompt_list = _as_list(prompts)
-        params = self._params_list(len(prompt_list), pooling_params, task, truncate_prompt_tokens)
+        params = self._params_list(
+            len(prompt_list), pooling_params, task, truncate_prompt_tokens, keep_own_task
+        )
         return self._run(self.input_processor.process(prompt_list, params), use_tqdm)
 
     @staticmethod
@@ -188,10 +192,13 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput]:
-        """Raw pooler outputs (`outputs.data`, a tensor); `pooling_task` as vLLM's."""
-        task = pooling_task or default_pooling_task(self.model_config.task)
+        """Raw pooler outputs (`outputs.data`, a tensor); `pooling_task` as vLLM's, or
+        "embed_sparse" (a sparse [vocab] tensor of token id → weight; `embed_sparse()` gives
+        them as lists). Without `pooling_task`, a PoolingParams that names its task keeps it
+        (one call may mix tasks: BGE-M3's dense, sparse and multi-vector in one batch)."""
+        task = pooling_task or self.model_config.default_pooling_task
         results, errors = self._encode_raw(
-            prompts, task, pooling_params, truncate_prompt_tokens, use_tqdm
+            prompts, task, pooling_params, truncate_prompt_tokens, use_tqdm, pooling_task is None
         )
         return self._finish(results, errors, lambda r: r)
 
@@ -208,6 +215,33 @@ class LLM:
             prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm
         )
         return self._finish(results, errors, EmbeddingRequestOutput.from_base)
+
+    def embed_sparse(
+        self,
+        prompts: PromptsArg,
+        *,
+        max_active_dims: int | None = None,
+        return_tokens: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[SparseEmbeddingRequestOutput]:
+        """Sparse embeddings of a SPLADE or BGE-M3 model: (token id, weight) pairs per prompt
+        (`outputs.indices`, `outputs.values`; `outputs.tokens` the tokens as strings with
+        `return_tokens`). `max_active_dims` keeps the largest weights only (top-k)."""
+        check_task_supported(self.model_config, "embed_sparse")
+        if max_active_dims is not None:
+            base = pooling_params if isinstance(pooling_params, PoolingParams) else None
+            if pooling_params is not None and base is None:
+                raise ValueError("give max_active_dims or a list of pooling_params, not both")
+            pooling_params = replace(base or PoolingParams(), max_active_dims=max_active_dims)
+        results, errors = self._encode_raw(
+            prompts, "embed_sparse", pooling_params, truncate_prompt_tokens, use_tqdm
+        )
+        tokenizer = self.get_tokenizer() if return_tokens else None
+        return self._finish(
+            results, errors, lambda r: SparseEmbeddingRequestOutput.from_base(r, tokenizer)
+        )
 
     def classify(
         self,

@@ -11,6 +11,13 @@
                    (attention/backend.py), the model calls it
     ClassifierHead compute_logits(pooled [num_seqs, hidden]) → [num_seqs, num_labels]
     LanguageModelHead compute_logits(hidden [num_seqs, hidden]) → float32 [num_seqs, vocab]
+    per-token heads, called by the pooler on one text's token states [num_tokens, hidden]:
+      VocabLogitsHead      compute_vocab_logits → [num_tokens, vocab]     (SPLADE's MLM head)
+      TokenWeightHead      compute_token_weights → [num_tokens]            (BGE-M3's sparse_linear)
+      TokenVectorHead      compute_token_vectors → [num_tokens, dim]       (BGE-M3's colbert_linear)
+      TokenClassifierHead  compute_token_logits → [num_tokens, num_labels] (*ForTokenClassification)
+    ExtraWeightFiles extra_weight_files: tensors kept in files beside the checkpoint (BGE-M3's
+                   sparse_linear.pt, colbert_linear.pt)
     LoadableModel  load_weights(checkpoint tensors) → the parameter names filled (native models;
                    the transformers backend fills its HF model itself)
 
@@ -22,7 +29,7 @@ checks; the runner reads the declared members directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -143,6 +150,51 @@ class LanguageModelHead(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_seqs, hidden] → float32 logits [num_seqs, vocab]."""
         ...
+
+
+@runtime_checkable
+class VocabLogitsHead(Protocol):
+    """A masked-LM head over the vocabulary (SPLADE pools its logits into sparse embeddings)."""
+
+    def compute_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_tokens, hidden] → logits [num_tokens, vocab] (decoder bias included)."""
+        ...
+
+
+@runtime_checkable
+class TokenWeightHead(Protocol):
+    """One non-negative weight per token (BGE-M3's lexical weights: relu(w · h + b))."""
+
+    def compute_token_weights(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_tokens, hidden] → weights [num_tokens], >= 0."""
+        ...
+
+
+@runtime_checkable
+class TokenVectorHead(Protocol):
+    """One vector per token (BGE-M3's ColBERT projection), not normalized."""
+
+    def compute_token_vectors(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_tokens, hidden] → vectors [num_tokens, dim]."""
+        ...
+
+
+@runtime_checkable
+class TokenClassifierHead(Protocol):
+    """A per-token classifier (*ForTokenClassification)."""
+
+    def compute_token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_tokens, hidden] → logits [num_tokens, num_labels]."""
+        ...
+
+
+@runtime_checkable
+class ExtraWeightFiles(Protocol):
+    """A model with tensors in files beside the checkpoint's own (the loader adds them)."""
+
+    extra_weight_files: ClassVar[Mapping[str, str]]
+    """File name in the model folder → the prefix its tensors' names get (a torch state dict,
+    e.g. "sparse_linear.pt" → "sparse_linear.": its "weight" loads as "sparse_linear.weight")."""
 
 
 @runtime_checkable

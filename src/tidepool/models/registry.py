@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import itertools
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from tidepool.config import ModelConfig
-from tidepool.models.interfaces import attach_attention_backend
+from tidepool.models.interfaces import ExtraWeightFiles, attach_attention_backend
 from tidepool.models.loader import iter_weights
 
 # architecture → (module under tidepool.models, class name)
@@ -19,6 +22,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
     "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
     "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
+    # Heads the pooler runs per token (models/heads.py): SPLADE's MLM head, BGE-M3, NER.
+    "BertForMaskedLM": ("heads", "BertForMaskedLM"),
+    "RobertaForMaskedLM": ("heads", "RobertaForMaskedLM"),
+    "XLMRobertaForMaskedLM": ("heads", "XLMRobertaForMaskedLM"),
+    "BgeM3EmbeddingModel": ("heads", "BgeM3EmbeddingModel"),
+    "BertForTokenClassification": ("heads", "BertForTokenClassification"),
+    "RobertaForTokenClassification": ("heads", "RobertaForTokenClassification"),
+    "XLMRobertaForTokenClassification": ("heads", "XLMRobertaForTokenClassification"),
     # Causal decoders: the bare body embeds (LAST pooling), *ForCausalLM adds the LM head.
     "LlamaModel": ("llama", "LlamaModel"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -92,7 +103,10 @@ def build_model(config: ModelConfig) -> nn.Module:
     with torch.device("meta"):
         model = model_cls(config.hf_config)
     model = model.to_empty(device="cpu").to(torch.float32)
-    model.load_weights(iter_weights(config.path))
+    weights = iter_weights(config.path)
+    if isinstance(model, ExtraWeightFiles):
+        weights = itertools.chain(weights, _extra_weights(config.path, model.extra_weight_files))
+    model.load_weights(weights)
     model = model.to(device=config.device, dtype=config.dtype)
     model.eval().requires_grad_(False)
     for module in model.modules():
@@ -101,3 +115,14 @@ def build_model(config: ModelConfig) -> nn.Module:
     # Once device and dtype are final: a machine's first run builds the CPU kernel now.
     attach_attention_backend(model, config.device, config.dtype)
     return model
+
+
+def _extra_weights(folder: Path, files: Mapping[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of state-dict files beside the checkpoint, named with their prefixes."""
+    for file_name, prefix in files.items():
+        path = folder / file_name
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} has no {file_name} (this model's head needs it)")
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+        for name, tensor in state.items():
+            yield prefix + name, tensor

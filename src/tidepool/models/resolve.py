@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tidepool import envs
-from tidepool.config import ModelConfig, SentenceTransformersMeta
+from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
 from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
 from tidepool.models.registry import get_model_class, has_implementation, resolve_model_impl
 
@@ -56,6 +56,10 @@ class ResolvedModel:
     position_offset: int | None
     """Added to 0-based positions, as the transformers backend read it from the model; None for
     native models (their offset follows from the architecture name)."""
+    output_head: str = "task"
+    """config.OUTPUT_HEADS: "task", "splade", "bge_m3" or "token_classifier"."""
+    sparse: SparseHeadConfig | None = None
+    """The sparse head's settings (SPLADE pooling, BGE-M3's skipped tokens)."""
 
 
 def build_model_config(
@@ -98,6 +102,8 @@ def build_model_config(
         eos_token_ids=_eos_token_ids(path, hf_config),
         model_impl=resolved.model_impl,
         trust_remote_code=trust_remote_code,
+        output_head=resolved.output_head,
+        sparse=resolved.sparse,
     )
 
 
@@ -106,15 +112,93 @@ def resolve_model(
 ) -> ResolvedModel:
     """Task, architecture and implementation of a checkpoint; the transformers backend checks
     that it can run the HF class (on the meta device: nothing allocated)."""
-    task, arch = _resolve_task(_checkpoint_architecture(hf_config), runner, convert, model_impl)
+    checkpoint_arch = _checkpoint_architecture(hf_config)
+    task, arch = _resolve_task(checkpoint_arch, runner, convert, model_impl)
+    head = _output_head(checkpoint_arch, task, arch, path, convert, model_impl)
+    if head is not None:
+        task, arch = head.task, head.architecture
     impl = resolve_model_impl(arch, model_impl)
+    output_head = "task" if head is None else head.output_head
+    sparse = None if head is None else head.sparse
     if impl == "transformers":
         from tidepool.models.transformers_backend import inspect_hf_model
 
         info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
-        return ResolvedModel(task, arch, impl, info.is_causal, info.position_offset)
+        return ResolvedModel(
+            task, arch, impl, info.is_causal, info.position_offset, output_head, sparse
+        )
     is_causal = bool(getattr(get_model_class(arch), "is_causal", False))
-    return ResolvedModel(task, arch, impl, is_causal, None)
+    return ResolvedModel(task, arch, impl, is_causal, None, output_head, sparse)
+
+
+@dataclass(frozen=True)
+class _HeadChoice:
+    task: str
+    architecture: str
+    output_head: str
+    sparse: SparseHeadConfig | None = None
+
+
+def _output_head(
+    checkpoint_arch: str, task: str, arch: str, path: Path, convert: str, model_impl: str
+) -> _HeadChoice | None:
+    """A head the checkpoint's files call for beyond its task's own: a token classifier, a
+    SPLADE model (an MLM checkpoint whose modules.json ends in SpladePooling), BGE-M3
+    (FlagEmbedding's sparse_linear.pt and colbert_linear.pt beside an XLM-R body). None:
+    the task's head. `convert="embed"` keeps the plain body (dense embeddings)."""
+    if task == "generate" or convert == "embed":
+        return None
+    if checkpoint_arch.endswith("ForTokenClassification"):
+        return _HeadChoice("classify", checkpoint_arch, "token_classifier")
+    if model_impl == "transformers":
+        return None
+    splade = _splade_pooling(path)
+    if checkpoint_arch.endswith("ForMaskedLM") and splade is not None:
+        return _HeadChoice("embed", checkpoint_arch, "splade", splade)
+    if (
+        task == "embed"
+        and arch == "XLMRobertaModel"
+        and (path / "sparse_linear.pt").is_file()
+        and (path / "colbert_linear.pt").is_file()
+    ):
+        return _HeadChoice(
+            "embed",
+            "BgeM3EmbeddingModel",
+            "bge_m3",
+            SparseHeadConfig(skip_token_ids=_m3_skip(path)),
+        )
+    return None
+
+
+_SPLADE_KEYS = ("pooling_strategy", "activation_function")
+
+
+def _splade_pooling(path: Path) -> SparseHeadConfig | None:
+    """sentence-transformers' SpladePooling module of a SparseEncoder folder, else None."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None
+    for module in json.loads(modules_file.read_text(encoding="utf-8")):
+        if str(module.get("type", "")).endswith("SpladePooling"):
+            cfg_file = path / module.get("path", "") / "config.json"
+            cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+            settings = {k: cfg[k] for k in _SPLADE_KEYS if cfg.get(k) is not None}
+            if settings.get("pooling_strategy", "max") not in ("max", "sum"):
+                raise ValueError(f"{cfg_file}: pooling_strategy must be max or sum")
+            if settings.get("activation_function", "relu") not in ("relu", "log1p_relu"):
+                raise ValueError(f"{cfg_file}: activation_function must be relu or log1p_relu")
+            return SparseHeadConfig(**settings)
+    return None
+
+
+def _m3_skip(path: Path) -> tuple[int, ...]:
+    """The ids FlagEmbedding drops from BGE-M3's lexical weights: CLS, EOS, PAD, UNK."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    names = ("cls_token", "eos_token", "pad_token", "unk_token")
+    tokens = [getattr(tokenizer, name, None) for name in names]
+    return tuple(sorted({int(tokenizer.convert_tokens_to_ids(t)) for t in tokens if t is not None}))
 
 
 def _checkpoint_architecture(hf_config: Any) -> str:

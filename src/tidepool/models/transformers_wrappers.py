@@ -221,6 +221,12 @@ class TransformersEncoderModel(nn.Module):
         assert self._head is not None, "an embedding model has no head"
         return self._head(pooled)
 
+    def compute_token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """*ForTokenClassification: hidden [num_tokens, hidden] → [num_tokens, num_labels], the
+        HF head on each token as a one-token sequence (its head reads each row alone)."""
+        assert self._head is not None, "an embedding model has no head"
+        return self._head(hidden)
+
 
 class TransformersDecoderModel(nn.Module):
     """A causal HF decoder over the paged KV cache (chunked prefill, prefix caching)."""

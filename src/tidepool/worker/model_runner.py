@@ -27,6 +27,7 @@ from tidepool.models.interfaces import DecoderModel, EncoderModel, LanguageModel
 from tidepool.models.registry import build_model
 from tidepool.params import PoolingParams
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
+from tidepool.worker.memory import NativeMemory
 from tidepool.worker.pooler import Pooler, PoolingMetadata
 from tidepool.worker.sampler import Sampler, SamplingMetadata
 
@@ -60,6 +61,8 @@ def _threads_for_step(num_tokens: int, dtype: torch.dtype, device: torch.device)
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Before the model loads: its weight packing creates the first oneDNN primitives.
+        self.memory = NativeMemory.start(config.model.dtype)
         self.device = config.model.device
         torch.manual_seed(config.model.seed)
         self.model = _check_contract(build_model(config.model), config.model)
@@ -126,6 +129,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        self.memory.after_step()
         if self.kv_cache_config is None:
             num_tokens = sum(r.num_prompt_tokens for r in sched_out.scheduled)
             with _threads_for_step(num_tokens, self.config.model.dtype, self.device):
@@ -189,7 +193,7 @@ class ModelRunner:
             )
         else:
             hidden = model(input_ids, positions, attn_meta, token_type_ids)
-            pool_meta = PoolingMetadata(seq_lens, attn_meta.cu_seqlens, params)
+            pool_meta = PoolingMetadata(seq_lens, attn_meta.cu_seqlens, params, input_ids)
         outputs = self.pooler(hidden, pool_meta)
         return {r.request_id: out for r, out in zip(requests, outputs, strict=True)}
 
@@ -199,7 +203,7 @@ class ModelRunner:
         return (
             cast(EncoderModel, self.model).supports_first_token_only
             and self.pooler.pooling_type == "CLS"
-            and not any(p.task.startswith("token_") for p in params)
+            and not any(self.pooler.reads_token_rows(p) for p in params)
         )
 
     def _pool_chunks(self, hidden: torch.Tensor, batch: CausalBatch) -> dict[str, torch.Tensor]:

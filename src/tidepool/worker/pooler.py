@@ -4,6 +4,8 @@
                                  └─ALL────▶  per-sequence [len_i, hidden] (token tasks)
     pooled ──embed──▶ Dense modules → normalize → Matryoshka (truncate, renormalize)
            ──classify / score──▶ model.compute_logits → softmax (sigmoid for one label)
+    per-sequence rows ──token_embed, token_classify, embed_sparse──▶ the model head's token
+           pooler (worker/token_poolers.py, by output head and task)
 
 Everything a request's output needs is computed in one batched op per step where possible; the
 per-request loop only slices.
@@ -31,6 +33,7 @@ from tidepool.config import ModelConfig
 from tidepool.models.interfaces import ClassifierHead, PoolingModel
 from tidepool.models.loader import DenseModule
 from tidepool.params import PoolingParams
+from tidepool.worker.token_poolers import TOKEN_POOLERS, TokenPooler, check_head
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class PoolingMetadata:
     cu_seqlens: torch.Tensor
     """[num_seqs + 1] int64 on the model's device."""
     params: list[PoolingParams]
+    input_ids: torch.Tensor | None = None
+    """[num_tokens] the packed token ids (encoders; BGE-M3's sparse weights are per token id)."""
 
     @property
     def num_seqs(self) -> int:
@@ -108,9 +113,6 @@ CHUNKED_METHODS: dict[str, ChunkedMethod] = {
     "MAX": ChunkedMethod(_pool_max, torch.maximum, lambda acc, n: acc),
 }
 
-UNSERVED_TASKS = ("token_classify",)
-"""Pooling task names a request may carry (params.POOLING_TASKS) that no pooler serves yet."""
-
 PREFIX_CACHE_SAFE_METHODS = ("LAST",)
 """Methods that read only the last token: a prefix-cache hit (skipping the first tokens) is fine."""
 
@@ -128,8 +130,16 @@ class Pooler(nn.Module):
             )
         self.pooling_type = pooling_type
         self._method = POOLING_METHODS[pooling_type]
-        if model_config.task == "classify" and not isinstance(model, ClassifierHead):
+        tasks = model_config.pooling_tasks
+        if "classify" in tasks and not isinstance(model, ClassifierHead):
             raise TypeError(f"{type(model).__name__} has no classifier head (compute_logits)")
+        check_head(model_config.output_head, model)
+        self._token_poolers: dict[str, TokenPooler] = {
+            task: pooler
+            for (head, task), pooler in TOKEN_POOLERS.items()
+            if head == model_config.output_head and task in tasks
+        }
+        """Task → the pooler of one text's rows, for the tasks that read every token."""
         self.model = model
         self.model_config = model_config
         self.task = model_config.task
@@ -159,11 +169,6 @@ class Pooler(nn.Module):
 
     def check_params(self, params: PoolingParams) -> None:
         """Raise ValueError if this model cannot serve `params` (before any work is done)."""
-        if params.task in UNSERVED_TASKS:
-            raise ValueError(
-                f"task {params.task!r} is not served: tidepool has no pooler for per-token "
-                f"classification yet; this model serves: {', '.join(self.supported_tasks())}"
-            )
         if params.task not in self.supported_tasks():
             raise ValueError(
                 f"task {params.task!r} is not supported by this {self.task} model; "
@@ -177,8 +182,10 @@ class Pooler(nn.Module):
                     f"dimensions={params.dimensions} is larger than the model's embedding size "
                     f"{self.embed_size}"
                 )
+        if params.max_active_dims is not None and params.task != "embed_sparse":
+            raise ValueError("max_active_dims applies to the embed_sparse task only")
 
-    def _apply_dense(self, x: torch.Tensor) -> torch.Tensor:
+    def apply_dense(self, x: torch.Tensor) -> torch.Tensor:
         for d in self.dense:
             x = F.linear(x, d.weight, d.bias)
             if d.activation == "tanh":
@@ -187,7 +194,7 @@ class Pooler(nn.Module):
                 raise ValueError(f"unsupported Dense activation {d.activation}")
         return x
 
-    def _finish_embedding(self, x: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+    def finish_embedding(self, x: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         """x: [..., embed] float32 → normalized and truncated per the request."""
         # An explicit normalize=False wins, with or without dimensions (as vLLM).
         normalize = self.default_normalize if params.normalize is None else params.normalize
@@ -197,7 +204,7 @@ class Pooler(nn.Module):
             x = F.normalize(x, p=2, dim=-1)
         return x
 
-    def _finish_logits(self, logits: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+    def finish_logits(self, logits: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         if params.activation is False:
             return logits
         if logits.shape[-1] == 1:
@@ -208,7 +215,7 @@ class Pooler(nn.Module):
     def forward(self, hidden: torch.Tensor, meta: PoolingMetadata) -> list[torch.Tensor]:
         """Whole sequences: one output per sequence of `meta`."""
         outputs: list[torch.Tensor | None] = [None] * meta.num_seqs
-        seq_rows = [i for i, p in enumerate(meta.params) if not p.task.startswith("token_")]
+        seq_rows = [i for i, p in enumerate(meta.params) if not self.reads_token_rows(p)]
         if seq_rows:
             pooled = self._method(hidden, meta)
             if len(seq_rows) != meta.num_seqs:
@@ -221,15 +228,23 @@ class Pooler(nn.Module):
                 outputs[i] = out
         cu = meta.cu_seqlens.tolist()
         for i, p in enumerate(meta.params):
-            if p.task.startswith("token_"):
-                outputs[i] = self._finish_tokens(hidden[cu[i] : cu[i + 1]], p)
+            token_pooler = self._token_pooler(p)
+            if token_pooler is not None:
+                ids = None if meta.input_ids is None else meta.input_ids[cu[i] : cu[i + 1]]
+                outputs[i] = token_pooler(self, hidden[cu[i] : cu[i + 1]], ids, p)
         return outputs  # type: ignore[return-value]
+
+    def _token_pooler(self, params: PoolingParams) -> TokenPooler | None:
+        return self._token_poolers.get(params.task) if params.task else None
+
+    def reads_token_rows(self, params: PoolingParams) -> bool:
+        """True when the output is computed from each of its text's token rows (token tasks,
+        sparse embeddings), not from one pooled row."""
+        return self._token_pooler(params) is not None
 
     def reads_all_tokens(self, params: PoolingParams) -> bool:
         """True when the output needs every prompt token's hidden state (no prefix-cache reads)."""
-        return (
-            params.task.startswith("token_") or self.pooling_type not in PREFIX_CACHE_SAFE_METHODS
-        )
+        return self.reads_token_rows(params) or self.pooling_type not in PREFIX_CACHE_SAFE_METHODS
 
     @torch.inference_mode()
     def forward_chunks(
@@ -251,7 +266,7 @@ class Pooler(nn.Module):
         method = CHUNKED_METHODS[self.pooling_type]
         finished_rows: list[int] = []
         finished_values: list[torch.Tensor] = []
-        seq_rows = [i for i, p in enumerate(meta.params) if not p.task.startswith("token_")]
+        seq_rows = [i for i, p in enumerate(meta.params) if not self.reads_token_rows(p)]
         if seq_rows:
             partial = method.partial(hidden, meta).float()
             for i in seq_rows:
@@ -269,28 +284,26 @@ class Pooler(nn.Module):
                 outputs[i] = out
         cu = meta.cu_seqlens.tolist()
         for i, p in enumerate(meta.params):
-            if p.task.startswith("token_"):
+            token_pooler = self._token_pooler(p)
+            if token_pooler is not None:
                 rows = hidden[cu[i] : cu[i + 1]]
                 rows = rows if running[i] is None else torch.cat((running[i], rows))
                 if is_last[i]:
-                    outputs[i] = self._finish_tokens(rows, p)
+                    outputs[i] = token_pooler(self, rows, None, p)
                 else:
                     new_running[i] = rows
         return outputs, new_running
-
-    def _finish_tokens(self, rows: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-        return self._finish_embedding(self._apply_dense(rows.float()).cpu(), params)
 
     def _finish_sequences(
         self, pooled: torch.Tensor, params: list[PoolingParams]
     ) -> list[torch.Tensor]:
         """pooled [n, hidden] → the head's output per sequence (on the CPU, float32)."""
         if self.task == "classify":
-            head = self._finish_logits
+            head = self.finish_logits
             values = self.model.compute_logits(pooled).float()  # type: ignore[union-attr]
         else:
-            head = self._finish_embedding
-            values = self._apply_dense(pooled.float())
+            head = self.finish_embedding
+            values = self.apply_dense(pooled.float())
         values = values.cpu()
         outputs: list[torch.Tensor | None] = [None] * len(params)
         # Requests with equal head parameters are finished in one batched op.

@@ -20,11 +20,15 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    RootModel,
     Strict,
     StrictBool,
     StrictInt,
     StrictStr,
 )
+
+EmbedDType = Literal["float32", "float16", "bfloat16", "int8", "uint8", "binary", "ubinary"]
+"""tidepool.quantize's names (the protocol imports no engine code)."""
 
 # Strict request field types (what the docs promise a 422 for). Python's json module reads NaN
 # and Infinity, which no sampling or pooling value can mean.
@@ -115,12 +119,19 @@ class EmbeddingRequest(OpenAIBaseModel):
     """Keep the first N tokens of each input; -1 = the model's maximum (vLLM extension)."""
     normalize: Bool | None = None
     """L2-normalize (vLLM extension); None = what the model's configuration says."""
+    embed_dtype: EmbedDType = "float32"
+    """The values' type (vLLM's field; int8 / uint8 / binary / ubinary are sentence-transformers'
+    quantized precisions, a tidepool extension): docs/server.md, "Output encodings"."""
+    endianness: Literal["native", "little", "big"] = "native"
+    """Byte order of base64 values (vLLM's field); native = the server's (little on x86, ARM)."""
 
 
 class EmbeddingResponseData(OpenAIBaseModel):
     index: int
     object: Literal["embedding"] = "embedding"
-    embedding: list[float] | str
+    embedding: list[Any] | str
+    """Floats (integers for the quantized embed dtypes), or base64; `Any` items: no per-value
+    validation of what the server itself built."""
 
 
 class EmbeddingResponse(_ListResponse):
@@ -145,6 +156,30 @@ class PoolingResponse(_ListResponse):
     data: list[PoolingResponseData]
 
 
+class EmbedSparseRequest(OpenAIBaseModel):
+    """TEI's /embed_sparse request."""
+
+    inputs: Any
+    """A string or a list of strings (token ids also accepted)."""
+    truncate: Bool = False
+    """Cut inputs longer than the model's maximum (else they are a 400)."""
+    truncation_direction: Str = "Right"
+    model: Str | None = None
+    max_active_dims: Int | None = None
+    """Keep the largest this many weights of each input (sentence-transformers' name)."""
+
+
+class SparseValue(OpenAIBaseModel):
+    index: int
+    """The token id."""
+    value: float
+    """Its weight (> 0)."""
+
+
+class EmbedSparseResponse(RootModel[list[list[SparseValue]]]):
+    """TEI's /embed_sparse answer: per input, its non-zero (token id, weight) pairs."""
+
+
 # ---------------------------------------------------------------------- classify
 
 
@@ -159,8 +194,10 @@ class ClassificationRequest(OpenAIBaseModel):
 
 class ClassificationData(OpenAIBaseModel):
     index: int
-    label: str | None
-    probs: list[float]
+    label: str | list[str] | None
+    """The likeliest label; a token classifier: one per token."""
+    probs: list[float] | list[list[float]]
+    """Per label; a token classifier: [num_tokens][num_labels]."""
     num_classes: int
 
 
@@ -173,10 +210,17 @@ class ClassificationResponse(_ListResponse):
 
 
 class ScoreRequest(OpenAIBaseModel):
+    """One pair of fields, as vLLM takes them: `queries` / `documents` (vLLM's current body),
+    `text_1` / `text_2` or `data_1` / `data_2`."""
+
     model: Str | None = None
-    text_1: Any
+    text_1: Any = None
     """A string or a list of strings: 1-to-N against text_2 with one item, else N-to-N."""
-    text_2: Any
+    text_2: Any = None
+    queries: Any = None
+    documents: Any = None
+    data_1: Any = None
+    data_2: Any = None
     truncate_prompt_tokens: Int | None = None
     activation: Bool | None = None
 

@@ -20,10 +20,12 @@ from typing import Any
 
 from tidepool.engine.async_engine import AsyncEngine
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai.encodings import EmbeddingCalibration
 from tidepool.entrypoints.openai.errors import ApiError, ServerState
 from tidepool.entrypoints.openai.metrics import ServerMetrics
 from tidepool.entrypoints.openai.serving import OpenAIServing, ServingLimits
 from tidepool.entrypoints.openai.serving_generate import OpenAIServingGeneration
+from tidepool.entrypoints.openai.serving_sparse import OpenAIServingSparse
 from tidepool.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
 logger = logging.getLogger("tidepool")
@@ -47,6 +49,7 @@ class ServedModel:
     serving: OpenAIServing
     tokenization: OpenAIServingTokenization
     generation: OpenAIServingGeneration
+    sparse: OpenAIServingSparse
 
     @property
     def name(self) -> str:
@@ -62,18 +65,23 @@ class ServedModels:
         limits: ServingLimits,
         metrics: ServerMetrics,
         state: ServerState,
+        calibration: EmbeddingCalibration | None = None,
     ) -> None:
+        """`calibration`: the int8 / uint8 ranges (--embedding-calibration), for every model."""
         if not engines:
             raise ValueError("a server needs at least one model")
         self.models: list[ServedModel] = []
         self._by_name: dict[str, ServedModel] = {}
         for named in engines:
-            serving = OpenAIServing(named.engine, list(named.names), limits)
+            serving = OpenAIServing(named.engine, list(named.names), limits, calibration)
             tokenization = OpenAIServingTokenization(serving)
             generation = OpenAIServingGeneration(
                 named.engine, serving, tokenization, metrics, state
             )
-            model = ServedModel(named.names, named.engine, serving, tokenization, generation)
+            sparse = OpenAIServingSparse(serving)
+            model = ServedModel(
+                named.names, named.engine, serving, tokenization, generation, sparse
+            )
             for name in named.names:
                 if name in self._by_name:
                     raise ValueError(f"the served model name {name!r} is given to two models")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, fields
@@ -38,6 +39,7 @@ from tidepool.entrypoints.openai.admission import (
     seconds_left,
     within_deadline,
 )
+from tidepool.entrypoints.openai.encodings import EmbeddingCalibration
 from tidepool.entrypoints.openai.errors import (
     MAPPED_ERRORS,
     ServerState,
@@ -54,6 +56,7 @@ from tidepool.entrypoints.openai.middleware import (
     JsonBodyMiddleware,
     MetricsMiddleware,
 )
+from tidepool.entrypoints.openai.routes_compat import add_compat_routes
 from tidepool.entrypoints.openai.served_models import NamedEngine, ServedModel, ServedModels
 from tidepool.entrypoints.openai.serving import ServingLimits
 
@@ -82,6 +85,10 @@ class ServerArgs:
     """A request still queued or running this long after it arrived is aborted → 503."""
     shutdown_timeout_s: float = 30.0
     """How long shutdown waits for in-flight requests to finish."""
+    embedding_calibration: str | None = None
+    """int8 / uint8 ranges: a .npy [2, dim], or a file of texts, one per line (encodings.py)."""
+    api_style: str = "openai"
+    """"tei": TEI's /rerank and /tokenize take those paths from vLLM's (routes_compat.py)."""
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -169,7 +176,9 @@ def build_app(
     state = ServerState()
     metrics = ServerMetrics({named.names[0]: named.engine for named in engines})
     admission = Admission(args.admission_limits(), metrics)
-    models = ServedModels(engines, ServingLimits(args.max_inputs_per_request), metrics, state)
+    limits = ServingLimits(args.max_inputs_per_request)
+    calibration = EmbeddingCalibration(args.embedding_calibration)
+    models = ServedModels(engines, limits, metrics, state, calibration)
     for model in models:
         model.engine.set_token_budget(admission)
 
@@ -188,6 +197,9 @@ def build_app(
     app.state.metrics = metrics
     app.state.admission = admission
     _add_exception_handlers(app, state)
+    serve = functools.partial(serve_until_disconnect, admission=admission)
+    # Cohere's and TEI's routes serve the default (first) model; first: see routes_compat.py.
+    add_compat_routes(app, models.default.serving, args.api_style, serve)
     _add_routes(app, models, metrics, admission)
     _add_info_routes(app, models, metrics)
     known_paths = {getattr(r, "path", "") for r in app.routes}
@@ -252,6 +264,7 @@ def _add_routes(
     engine_route("/v1/embeddings", lambda m: m.serving.embed, p.EmbeddingRequest)
     engine_route("/pooling", lambda m: m.serving.pool, p.PoolingRequest)
     engine_route("/classify", lambda m: m.serving.classify, p.ClassificationRequest)
+    engine_route("/embed_sparse", lambda m: m.sparse.embed_sparse, p.EmbedSparseRequest)
     for path in ("/score", "/v1/score"):
         engine_route(path, lambda m: m.serving.score, p.ScoreRequest)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

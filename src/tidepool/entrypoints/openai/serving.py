@@ -8,28 +8,36 @@ server.py only call these methods and serialize the result.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from tidepool.engine.async_engine import AsyncEngine
 from tidepool.engine.pooling import (
     cosine_scores,
     cross_encoder_score,
-    default_pooling_task,
     expand_score_pairs,
     plan_embedding_scores,
 )
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai.encodings import (
+    EmbeddingCalibration,
+    encode_values,
+    needs_ranges,
+)
 from tidepool.entrypoints.openai.errors import ApiError
 from tidepool.entrypoints.openai.inputs import (
     check_text,
     format_batch_error,
     parse_prompts,
     parse_texts,
+)
+from tidepool.entrypoints.openai.serving_sparse import (
+    sparse_pooling_data,
+    token_classification_data,
 )
 from tidepool.outputs import BatchInputError, PoolingRequestOutput
 from tidepool.params import PoolingParams
@@ -46,13 +54,17 @@ class ServingLimits:
 # ---------------------------------------------------------------------- output helpers
 
 
-def encode_floats(values: torch.Tensor, encoding_format: str) -> list[Any] | str:
-    """float → nested lists; base64 → little-endian float32 bytes, as OpenAI encodes them."""
-    if encoding_format == "base64":
-        raw = values.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
-        return base64.b64encode(raw.tobytes()).decode("ascii")
-    listed = values.tolist()
-    return listed if isinstance(listed, list) else [listed]
+def pooling_data(
+    values: torch.Tensor,
+    encoding_format: str,
+    embed_dtype: str,
+    ranges: np.ndarray | None,
+    endianness: str,
+) -> list[Any] | str:
+    """A /pooling `data` item: the encoded values, or a sparse output's index / value pairs."""
+    if values.is_sparse:
+        return sparse_pooling_data(values, encoding_format)
+    return encode_values(values, encoding_format, embed_dtype, ranges, endianness)
 
 
 def _usage(outputs: list[PoolingRequestOutput]) -> p.UsageInfo:
@@ -69,11 +81,13 @@ class OpenAIServing:
         engine: AsyncEngine,
         served_model_names: list[str],
         limits: ServingLimits | None = None,
+        calibration: EmbeddingCalibration | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits or ServingLimits()
         self.model_config = engine.model_config
+        self.calibration = calibration or EmbeddingCalibration(None)
 
     # ------------------------------------------------------------------ checks
 
@@ -110,7 +124,7 @@ class OpenAIServing:
 
     def _default_task(self) -> str:
         """The pooling task of a request that names none: the model's own."""
-        return default_pooling_task(self.model_config.task)
+        return self.model_config.default_pooling_task
 
     def _params(self, param: str = "input", **fields: Any) -> PoolingParams:
         try:
@@ -124,19 +138,28 @@ class OpenAIServing:
         except BatchInputError as e:
             raise ApiError(400, format_batch_error(e, param), param) from e
 
-    async def _encode_input(self, value: Any, **param_fields: Any) -> list[PoolingRequestOutput]:
+    async def _encode_input(
+        self, value: Any, param: str = "input", **param_fields: Any
+    ) -> list[PoolingRequestOutput]:
         """Every prompt of a request's `input` through the engine with the same PoolingParams
         (checked in this order: the prompts, their count, the parameters; 400 / 413 on a fault)."""
-        prompts = parse_prompts(value)
-        self.check_count(len(prompts), "input")
-        params = self._params(**param_fields)
-        return await self._run(self.engine.encode(prompts, [params] * len(prompts)), "input")
+        prompts = parse_prompts(value, param)
+        self.check_count(len(prompts), param)
+        params = self._params(param, **param_fields)
+        return await self._run(self.engine.encode(prompts, [params] * len(prompts)), param)
 
     # ------------------------------------------------------------------ embeddings / pooling
+
+    async def ranges_for(self, embed_dtype: str, param: str) -> np.ndarray | None:
+        """The int8 / uint8 calibration ranges (None for the other dtypes); 400 when none."""
+        if not needs_ranges(embed_dtype):
+            return None
+        return await self.calibration.ranges(self.engine, param)
 
     async def embed(self, req: p.EmbeddingRequest) -> p.EmbeddingResponse:
         model = self.model_name(req.model)
         self._check_task("embed", "Embeddings")
+        ranges = await self.ranges_for(req.embed_dtype, "embed_dtype")
         outputs = await self._encode_input(
             req.input,
             task="embed",
@@ -146,7 +169,10 @@ class OpenAIServing:
         )
         data = [
             p.EmbeddingResponseData(
-                index=i, embedding=encode_floats(o.outputs.data, req.encoding_format)
+                index=i,
+                embedding=encode_values(
+                    o.outputs.data, req.encoding_format, req.embed_dtype, ranges, req.endianness
+                ),
             )
             for i, o in enumerate(outputs)
         ]
@@ -156,6 +182,7 @@ class OpenAIServing:
         model = self.model_name(req.model)
         task = req.task or self._default_task()
         self._check_task(task, f"Pooling (task={task})")
+        ranges = await self.ranges_for(req.embed_dtype, "embed_dtype")
         outputs = await self._encode_input(
             req.input,
             task=task,
@@ -165,7 +192,12 @@ class OpenAIServing:
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         data = [
-            p.PoolingResponseData(index=i, data=encode_floats(o.outputs.data, req.encoding_format))
+            p.PoolingResponseData(
+                index=i,
+                data=pooling_data(
+                    o.outputs.data, req.encoding_format, req.embed_dtype, ranges, req.endianness
+                ),
+            )
             for i, o in enumerate(outputs)
         ]
         return p.PoolingResponse(model=model, data=data, usage=_usage(outputs))
@@ -174,14 +206,20 @@ class OpenAIServing:
 
     async def classify(self, req: p.ClassificationRequest) -> p.ClassificationResponse:
         model = self.model_name(req.model)
-        self._check_task("classify", "Classification")
+        # A token classifier answers per token (the task it serves).
+        per_token = "classify" not in self.engine.supported_tasks
+        task = "token_classify" if per_token else "classify"
+        self._check_task(task, "Classification")
         outputs = await self._encode_input(
             req.input,
-            task="classify",
+            task=task,
             activation=req.activation,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         id2label = getattr(self.model_config.hf_config, "id2label", None) or {}
+        if per_token:
+            data = token_classification_data(outputs, id2label)
+            return p.ClassificationResponse(model=model, data=data, usage=_usage(outputs))
         data = []
         for i, o in enumerate(outputs):
             probs = o.outputs.data.reshape(-1).tolist()
@@ -196,15 +234,16 @@ class OpenAIServing:
 
     async def score(self, req: p.ScoreRequest) -> p.ScoreResponse:
         model = self.model_name(req.model)
-        first = parse_texts(req.text_1, "text_1")
-        second = parse_texts(req.text_2, "text_2")
+        names = _score_fields(req)
+        first = parse_texts(getattr(req, names[0]), names[0])
+        second = parse_texts(getattr(req, names[1]), names[1])
         try:
-            pairs = expand_score_pairs(first, second, ("text_1", "text_2"))
+            pairs = expand_score_pairs(first, second, names)
         except ValueError as e:
-            raise ApiError(400, str(e), "text_1") from e
-        self.check_count(len(second), "text_2")
+            raise ApiError(400, str(e), names[0]) from e
+        self.check_count(len(second), names[1])
         scores, num_tokens = await self._score_pairs(
-            pairs, req.truncate_prompt_tokens, req.activation
+            pairs, req.truncate_prompt_tokens, req.activation, param=names[1]
         )
         data = [p.ScoreResponseData(index=i, score=s) for i, s in enumerate(scores)]
         usage = p.UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
@@ -247,6 +286,7 @@ class OpenAIServing:
         truncate_prompt_tokens: int | None,
         activation: bool | None,
         param: str = "text_2",
+        truncation_side: str = "right",
     ) -> tuple[list[float], int]:
         """A cross-encoder reads each pair; an embedding model scores the cosine (as vLLM)."""
         if "score" in self.engine.supported_tasks:
@@ -255,6 +295,7 @@ class OpenAIServing:
                 task="score",
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 activation=activation,
+                truncation_side=truncation_side,
             )
             outputs = await self._run(self.engine.encode_pairs(pairs, [params] * len(pairs)), param)
             scores = [cross_encoder_score(o.outputs.data) for o in outputs]
@@ -267,13 +308,22 @@ class OpenAIServing:
                 f"{labels if self.model_config.task == 'classify' else ''} (scoring needs a "
                 "cross-encoder with one label or an embedding model)",
             )
-        return await self._score_by_embedding(pairs, truncate_prompt_tokens, param)
+        return await self._score_by_embedding(pairs, truncate_prompt_tokens, param, truncation_side)
 
     async def _score_by_embedding(
-        self, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None, param: str
+        self,
+        pairs: list[tuple[str, str]],
+        truncate_prompt_tokens: int | None,
+        param: str,
+        truncation_side: str,
     ) -> tuple[list[float], int]:
         plan = plan_embedding_scores(pairs)
-        params = self._params(param, task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+        params = self._params(
+            param,
+            task="embed",
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
         try:
             outputs = await self.engine.encode(plan.texts, [params] * len(plan.texts))
         except BatchInputError as e:
@@ -310,8 +360,24 @@ class OpenAIServing:
         return name
 
 
+_SCORE_FIELDS = (("queries", "documents"), ("text_1", "text_2"), ("data_1", "data_2"))
+
+
+def _score_fields(req: p.ScoreRequest) -> tuple[str, str]:
+    """The one pair of fields a /score body uses; 400 for none, half a pair, or two pairs."""
+    given = [pair for pair in _SCORE_FIELDS if any(getattr(req, f) is not None for f in pair)]
+    if len(given) != 1:
+        names = " or ".join(f"{a} / {b}" for a, b in _SCORE_FIELDS)
+        what = "none" if not given else " and ".join(f"{a} / {b}" for a, b in given)
+        raise ApiError(400, f"/score takes one pair of fields, {names}; got {what}", None)
+    for name in given[0]:
+        if getattr(req, name) is None:
+            raise ApiError(400, f"{name} is missing (it goes with {' / '.join(given[0])})", name)
+    return given[0]
+
+
 def _field_of(message: str, default: str) -> str:
-    for name in ("dimensions", "truncate_prompt_tokens", "task"):
+    for name in ("dimensions", "truncate_prompt_tokens", "task", "max_active_dims"):
         if name in message:
             return name
     return default

@@ -1,0 +1,126 @@
+"""Embeddings as the client asked for them: JSON floats or base64, in an embed dtype
+(tidepool/quantize.py), and the per-dimension ranges int8 / uint8 need (`--embedding-calibration`).
+
+The ranges come from one file named at start: a `.npy` of shape [2, dim] (lowest, highest value
+of each dimension, as sentence-transformers' `ranges`), or any other file read as texts, one per
+line, embedded once with the model's defaults on the first request that needs them. They describe
+the model's default output (full size, its own normalization): a request whose embeddings have
+another size (`dimensions`, `output_dimension`) is refused. sentence-transformers stores no ranges
+with a model, so without the flag int8 / uint8 answer 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tidepool.engine.async_engine import AsyncEngine
+from tidepool.entrypoints.openai.errors import ApiError
+from tidepool.params import PoolingParams
+from tidepool.quantize import (
+    ENCODINGS,
+    as_json_values,
+    calibration_ranges,
+    check_ranges,
+    encode_bytes,
+    load_ranges,
+    quantize_embeddings,
+)
+
+NO_RANGES_HINT = (
+    "start the server with --embedding-calibration FILE (texts, one per line, or a .npy of "
+    "per-dimension ranges [2, dim]); sentence-transformers models store no ranges of their own"
+)
+
+
+class EmbeddingCalibration:
+    """The int8 / uint8 ranges of one server: loaded at start, or computed once from texts."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = None if path is None else Path(path)
+        self._ranges: np.ndarray | None = None
+        self._texts: list[str] = []
+        self._lock = asyncio.Lock()
+        if self.path is None:
+            return
+        if self.path.suffix == ".npy":
+            self._ranges = load_ranges(self.path)
+            return
+        self._texts = [line.strip() for line in self.path.read_text("utf-8").splitlines()]
+        self._texts = [t for t in self._texts if t]
+        if len(self._texts) < 2:
+            raise ValueError(f"{self.path}: a calibration set needs at least 2 texts (one a line)")
+
+    async def ranges(self, engine: AsyncEngine, param: str) -> np.ndarray:
+        """[2, dim] float32; 400 naming `param` when the server has no calibration set."""
+        if self._ranges is not None:
+            return self._ranges
+        if self.path is None:
+            raise ApiError(
+                400, f"{param} int8 and uint8 need per-dimension ranges: " + NO_RANGES_HINT, param
+            )
+        async with self._lock:
+            if self._ranges is None:
+                # A long line is cut to the model's length rather than failing every request.
+                params = [PoolingParams(task="embed", truncate_prompt_tokens=-1)] * len(self._texts)
+                outputs = await engine.encode(self._texts, params)
+                self._ranges = calibration_ranges(torch.stack([o.outputs.data for o in outputs]))
+        return self._ranges
+
+
+def needs_ranges(embed_dtype: str) -> bool:
+    return ENCODINGS[embed_dtype].needs_ranges
+
+
+def quantize(
+    values: torch.Tensor, embed_dtype: str, ranges: np.ndarray | None, param: str
+) -> np.ndarray:
+    """One output ([dim] or [tokens, dim]) in `embed_dtype`; 400 when the ranges do not fit it."""
+    array = values.detach().to("cpu", torch.float32).numpy()
+    if ranges is not None:
+        try:
+            check_ranges(ranges, array.shape[-1])
+        except ValueError as e:
+            message = (
+                f"{param}: {e}; int8 and uint8 quantize the model's full-size embeddings with "
+                "the ranges of --embedding-calibration (no dimensions / output_dimension)"
+            )
+            raise ApiError(400, message, param) from e
+    return quantize_embeddings(array, embed_dtype, ranges=ranges)  # type: ignore[arg-type]
+
+
+def encode_values(
+    values: torch.Tensor,
+    encoding_format: str,
+    embed_dtype: str = "float32",
+    ranges: np.ndarray | None = None,
+    endianness: str = "native",
+    param: str = "embed_dtype",
+) -> list[Any] | str:
+    """float → nested JSON numbers; base64 → the values' bytes (float32 little-endian by default,
+    as OpenAI encodes them)."""
+    if (
+        embed_dtype == "float32"
+        and endianness in ("native", "little")
+        and sys.byteorder == "little"
+    ):
+        # The default, on the hot path: no copy through numpy's quantizer.
+        if encoding_format == "base64":
+            raw = values.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
+            return base64.b64encode(raw.tobytes()).decode("ascii")
+        listed = values.tolist()
+        return listed if isinstance(listed, list) else [listed]
+    stored = quantize(values, embed_dtype, ranges, param)
+    if encoding_format == "base64":
+        order = sys.byteorder if endianness == "native" else endianness
+        if order == "big":
+            stored = stored.astype(stored.dtype.newbyteorder(">"))
+            return base64.b64encode(stored.tobytes()).decode("ascii")
+        return base64.b64encode(encode_bytes(stored)).decode("ascii")
+    return as_json_values(stored, embed_dtype)  # type: ignore[arg-type]

@@ -1,0 +1,88 @@
+"""Cohere's v2 embed API, `POST /v2/embed`, over the same engine as /v1/embeddings: texts in,
+one list of embeddings per requested `embedding_types` out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tidepool.entrypoints.openai import protocol_cohere as pc
+from tidepool.entrypoints.openai.encodings import encode_values, needs_ranges
+from tidepool.entrypoints.openai.errors import ApiError
+from tidepool.entrypoints.openai.inputs import parse_texts
+from tidepool.entrypoints.openai.serving import OpenAIServing
+from tidepool.quantize import ENCODINGS
+
+# Cohere's `truncate` → (cut a long text to the budget, PoolingParams.truncation_side).
+_TRUNCATION = {"END": (True, "right"), "START": (True, "left"), "NONE": (False, "right")}
+
+# Cohere's input_type → sentence-transformers prompt names that mean it, first match used.
+_PROMPT_NAMES = {
+    "search_query": ("search_query", "query"),
+    "search_document": ("search_document", "document", "passage"),
+    "classification": ("classification",),
+    "clustering": ("clustering",),
+}
+
+
+def model_prompt(serving: OpenAIServing, names: tuple[str, ...]) -> str:
+    """The first of the model's sentence-transformers prompts named in `names` ("" for none). A
+    model with a default prompt keeps it (the input processor adds it to every text)."""
+    st = serving.model_config.st
+    if st.default_prompt_name:
+        return ""
+    return next((st.prompts[name] for name in names if name in st.prompts), "")
+
+
+class CohereServing:
+    request_type = pc.CohereEmbedRequest
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    def _truncation(self, req: pc.CohereEmbedRequest) -> tuple[int | None, str]:
+        """(truncate_prompt_tokens, truncation_side) of `truncate` and `max_tokens`."""
+        cuts, side = _TRUNCATION[req.truncate]
+        if not cuts:
+            if req.max_tokens is not None:
+                raise ApiError(400, "max_tokens needs truncate START or END, not NONE")
+            return None, side
+        return (-1 if req.max_tokens is None else req.max_tokens), side
+
+    async def embed(self, req: pc.CohereEmbedRequest) -> pc.CohereEmbedResponse:
+        serving = self.serving
+        serving.model_name(req.model)
+        for name in ("images", "inputs"):
+            if getattr(req, name) is not None:
+                raise ApiError(400, f"{name} is not supported: this server embeds texts only")
+        serving._check_task("embed", "Embed")
+        texts = parse_texts(req.texts, "texts", allow_single=False)
+        serving.check_count(len(texts), "texts")
+        types = list(dict.fromkeys(req.embedding_types or ["float"]))
+        ranges = None
+        if any(t in ENCODINGS and needs_ranges(t) for t in types):
+            ranges = await serving.ranges_for("int8", "embedding_types")
+        truncate_prompt_tokens, side = self._truncation(req)
+        params = serving._params(
+            "texts",
+            task="embed",
+            dimensions=req.output_dimension,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=side,
+        )
+        prompt = model_prompt(serving, _PROMPT_NAMES.get(req.input_type or "", ()))
+        prompts = [prompt + text for text in texts]
+        outputs = await serving._run(serving.engine.encode(prompts, [params] * len(texts)), "texts")
+        vectors = [o.outputs.data for o in outputs]
+        embeddings = {t: [_encode(v, t, ranges) for v in vectors] for t in types}
+        num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        meta = pc.CohereMeta(billed_units=pc.CohereBilledUnits(input_tokens=num_tokens))
+        return pc.CohereEmbedResponse(embeddings=embeddings, texts=texts, meta=meta)
+
+
+def _encode(vector: Any, embedding_type: str, ranges: np.ndarray | None) -> Any:
+    if embedding_type == "base64":
+        return encode_values(vector, "base64", endianness="little")
+    embed_dtype = "float32" if embedding_type == "float" else embedding_type
+    return encode_values(vector, "float", embed_dtype, ranges, param="embedding_types")

@@ -1,0 +1,158 @@
+"""BGE-M3 (dense + lexical weights + ColBERT from one forward pass) against FlagEmbedding's
+BGEM3FlagModel on a tiny random XLM-R saved in FlagEmbedding's layout (sparse_linear.pt and
+colbert_linear.pt beside the checkpoint)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY_TEXTS
+from sparse_models import save_bge_m3
+
+from tidepool import LLM, PoolingParams
+from tidepool.outputs import BatchInputError, sparse_pairs
+
+TEXTS = [t for t in TINY_TEXTS if t.strip()]
+
+
+def _unavailable(*args, **kwargs):
+    raise RuntimeError("transformers.modeling_attn_mask_utils is stubbed in this test")
+
+
+def _stub_attribute(attr: str):
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    return _unavailable
+
+
+def _flag_model_cls():
+    # FlagEmbedding's package __init__ imports a reranker module that needs
+    # transformers.modeling_attn_mask_utils, which transformers 5 removed; BGEM3FlagModel never
+    # uses it, so an empty stand-in lets the import through.
+    name = "transformers.modeling_attn_mask_utils"
+    if name not in sys.modules:
+        try:
+            __import__(name)
+        except ImportError:
+            stub = types.ModuleType(name)
+            stub.__getattr__ = _stub_attribute  # type: ignore[method-assign]
+            sys.modules[name] = stub
+    flag = pytest.importorskip("FlagEmbedding")
+    return flag.BGEM3FlagModel
+
+
+@pytest.fixture(scope="module")
+def m3_path(tmp_path_factory) -> Path:
+    return save_bge_m3(tmp_path_factory.mktemp("bge_m3"))
+
+
+@pytest.fixture(scope="module")
+def m3_llm(m3_path) -> LLM:
+    return LLM(str(m3_path), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def m3_reference(m3_path):
+    model = _flag_model_cls()(str(m3_path), use_fp16=False, devices="cpu")
+    return model.encode(
+        TEXTS, return_dense=True, return_sparse=True, return_colbert_vecs=True, batch_size=4
+    )
+
+
+def test_resolves_as_bge_m3(m3_llm):
+    config = m3_llm.model_config
+    assert config.architecture == "BgeM3EmbeddingModel"
+    assert config.pooling_tasks == ("embed", "embed_sparse", "token_embed", "token_classify")
+    assert set(config.sparse.skip_token_ids) == {0, 1, 2, 3}  # <s> <pad> </s> <unk>
+
+
+def test_dense_matches_flag_embedding(m3_llm, m3_reference, report_tolerance):
+    ours = torch.stack([o.outputs.data for o in m3_llm.encode(TEXTS, use_tqdm=False)])
+    expected = torch.from_numpy(m3_reference["dense_vecs"]).float()
+    measured = report_tolerance("bge-m3 dense vs FlagEmbedding", ours, expected)
+    assert measured.worst_cosine >= 0.99999
+
+
+def test_lexical_weights_match_flag_embedding(m3_llm, m3_reference):
+    outputs = m3_llm.embed_sparse(TEXTS, use_tqdm=False)
+    for text, out, expected in zip(TEXTS, outputs, m3_reference["lexical_weights"], strict=True):
+        ours = out.outputs.as_dict()
+        assert sorted(ours) == sorted(int(k) for k in expected), text
+        for token_id, weight in expected.items():
+            assert abs(ours[int(token_id)] - float(weight)) <= 1e-5, (text, token_id)
+    # The guards: some tokens weigh, some not; texts differ (a constant output cannot pass).
+    weighted = [o.outputs.as_dict() for o in outputs if o.outputs.indices]
+    assert len(weighted) >= len(outputs) // 2
+    assert any(len(o.outputs.indices) < len(set(o.prompt_token_ids)) - 2 for o in outputs)
+    assert weighted[0] != weighted[1]
+
+
+def test_colbert_vectors_match_flag_embedding(m3_llm, m3_reference, report_tolerance):
+    outputs = m3_llm.encode(TEXTS, pooling_task="token_embed", use_tqdm=False)
+    for out, expected in zip(outputs, m3_reference["colbert_vecs"], strict=True):
+        expected = torch.from_numpy(expected).float()
+        # FlagEmbedding keeps the vectors of every token after <s> (</s> included).
+        assert out.outputs.data.shape == expected.shape
+        measured = report_tolerance("bge-m3 colbert vs FlagEmbedding", out.outputs.data, expected)
+        assert measured.worst_cosine >= 0.99999
+
+
+def test_token_classify_gives_vllm_per_token_weights(m3_llm, m3_reference):
+    """vLLM's BGE-M3 token_classify: one weight per token, <s> and </s> dropped."""
+    text = TEXTS[1]
+    out = m3_llm.encode([text], pooling_task="token_classify", use_tqdm=False)[0]
+    ids = out.prompt_token_ids[1:-1]
+    assert out.outputs.data.shape == (len(ids), 1)
+    merged: dict[int, float] = {}
+    for token_id, weight in zip(ids, out.outputs.data[:, 0].tolist(), strict=True):
+        if weight > 0 and token_id != 3:
+            merged[token_id] = max(merged.get(token_id, 0.0), weight)
+    assert merged == pytest.approx(m3_llm.embed_sparse([text], use_tqdm=False)[0].outputs.as_dict())
+
+
+def test_tasks_mixed_in_one_batch_equal_each_alone(m3_llm):
+    """Dense, sparse and multi-vector requests share one forward pass; each equals its own
+    run, whatever the batch."""
+    tasks = ["embed", "embed_sparse", "token_embed", "token_classify"]
+    params = [PoolingParams(task=tasks[i % 4]) for i in range(len(TEXTS))]
+    mixed = m3_llm.encode(TEXTS, params, pooling_task=None, use_tqdm=False)
+    for i, (text, out) in enumerate(zip(TEXTS, mixed, strict=True)):
+        alone = m3_llm.encode([text], pooling_task=tasks[i % 4], use_tqdm=False)[0]
+        a, b = out.outputs.data, alone.outputs.data
+        if a.is_sparse:
+            assert sparse_pairs(a)[0] == sparse_pairs(b)[0]
+            a, b = a.to_dense(), b.to_dense()
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_top_k_keeps_the_largest_weights(m3_llm):
+    full = m3_llm.embed_sparse([TEXTS[6]], use_tqdm=False)[0].outputs
+    top = m3_llm.embed_sparse([TEXTS[6]], max_active_dims=3, use_tqdm=False)[0].outputs
+    largest = sorted(full.as_dict().items(), key=lambda kv: -kv[1])[:3]
+    assert top.as_dict() == dict(largest)
+    tokens = m3_llm.embed_sparse([TEXTS[6]], return_tokens=True, use_tqdm=False)[0].outputs.tokens
+    assert tokens == m3_llm.get_tokenizer().convert_ids_to_tokens(full.indices)
+
+
+def test_colbert_vectors_are_normalized(m3_llm):
+    data = m3_llm.encode([TEXTS[2]], pooling_task="token_embed", use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(data.norm(dim=-1), torch.ones(len(data)))
+    raw = PoolingParams(normalize=False)
+    unnormalized = m3_llm.encode([TEXTS[2]], raw, pooling_task="token_embed", use_tqdm=False)
+    torch.testing.assert_close(F.normalize(unnormalized[0].outputs.data, dim=-1), data)
+
+
+def test_sparse_task_on_a_dense_model_is_a_clear_error(tiny_llm):
+    llm = tiny_llm("xlm-roberta")
+    with pytest.raises(ValueError, match="embed_sparse\\(\\) needs a sparse embedding model"):
+        llm.embed_sparse(["x"], use_tqdm=False)
+    # Per prompt in encode: the others of the batch are served.
+    params = [PoolingParams(task="embed"), PoolingParams(task="embed_sparse")]
+    with pytest.raises(BatchInputError, match="task 'embed_sparse' is not supported") as e:
+        llm.encode(["a", "b"], params, use_tqdm=False)
+    assert e.value.outputs[0] is not None and e.value.outputs[1] is None
