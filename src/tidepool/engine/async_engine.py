@@ -25,6 +25,10 @@ as soon as a stop string ends it, and hands the caller one list per step (one
 Pooling requests keep their single-future path (a caller's future resolves when its last
 request finished).
 
+Admission: with a TokenBudget (`set_token_budget`) each call reserves its prompt tokens after
+tokenization and gives them back when it ends, however it ends (finished, failed, cancelled: its
+requests aborted, their KV blocks freed; a stream closed). The budget refuses; the engine counts.
+
 Stepping, routing and failure handling are the engine driver's (engine/llm_engine.py): each
 caller's group is a sink of the driver. This module adds the thread, the inbox and the futures.
 Failure isolation: a request the engine rejects fails its caller alone; a step that raises fails
@@ -42,7 +46,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tidepool.config import EngineConfig, ModelConfig
 from tidepool.engine.args import build_engine_config
@@ -69,6 +73,7 @@ __all__ = [
     "EngineClosedError",
     "EngineStepError",
     "StepRecord",
+    "TokenBudget",
 ]
 
 logger = logging.getLogger("tidepool")
@@ -78,6 +83,17 @@ T = TypeVar("T")
 # Threads that tokenize prompts (see AsyncEngine.__init__): enough that a request with huge texts
 # (bounded by the prefix tokenizer, but still up to ~1 s for 30 MB) leaves others a free worker.
 INPUT_WORKERS = 4
+
+
+class TokenBudget(Protocol):
+    """Admission of engine calls by their prompt tokens (the server's --max-queued-tokens)."""
+
+    def reserve(self, num_tokens: int) -> None:
+        """Take `num_tokens` for a call about to be handed to the engine, or raise to refuse it
+        (nothing of it runs). Called on the event loop."""
+
+    def release(self, num_tokens: int) -> None:
+        """Give back what one successful `reserve` took; called once, when the call ends."""
 
 
 @dataclass
@@ -94,6 +110,7 @@ class AsyncEngineStats:
     """Requests in the scheduler's queue, sampled between steps."""
     num_running_requests: int = 0
     """Requests holding KV-cache blocks in the scheduler (decoders), sampled between steps."""
+    kv_cache_usage: float = 0.0  # share of KV-cache blocks in use (0: an encoder), sampled
 
 
 class _Group:
@@ -194,6 +211,7 @@ class AsyncEngine:
         self._num_admitted = 0
         """Calls between admission and their answer (event-loop thread only)."""
         self._dead: BaseException | None = None
+        self._token_budget: TokenBudget | None = None
 
     @classmethod
     def from_args(cls, model: str | None = None, **engine_args: Any) -> AsyncEngine:
@@ -230,6 +248,21 @@ class AsyncEngine:
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         """Call `listener` on the engine thread after each step (metrics); add before start()."""
         self._step_listeners.append(listener)
+
+    def set_token_budget(self, budget: TokenBudget | None) -> None:
+        self._token_budget = budget  # several engines may share one
+
+    def _reserve_tokens(self, requests: Sequence[Request]) -> int:
+        """Reserve the requests' prompt tokens (the budget may refuse: it raises); how many."""
+        if self._token_budget is None:
+            return 0
+        num_tokens = sum(r.num_prompt_tokens for r in requests)
+        self._token_budget.reserve(num_tokens)
+        return num_tokens
+
+    def _release_tokens(self, num_tokens: int) -> None:
+        if self._token_budget is not None:
+            self._token_budget.release(num_tokens)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -310,7 +343,11 @@ class AsyncEngine:
                 self.eos_token_ids,
                 add_special_tokens,
             )
-        return _requests_or_raise(items)
+        requests = _requests_or_raise(items)
+        # Refuse now what generate() would refuse, while the answer can still be a status (a
+        # stream's 200 goes out before generate() runs); generate() reserves for real.
+        self._release_tokens(self._reserve_tokens(requests))
+        return requests
 
     def generate(self, inputs: list[GenerationInput], stream: bool = True) -> GenerationStream:
         """Hand generating requests to the engine; see GenerationStream. `stream`: a delta per
@@ -321,14 +358,15 @@ class AsyncEngine:
             raise ValueError("generate() needs at least one request")
         self._check_accepting()
         group = StreamGroup(list(inputs), asyncio.get_running_loop(), stream)
+        num_tokens = self._reserve_tokens(group.requests)
         self._num_admitted += 1  # until the stream ends
         self._inbox.put(_Submit(group))
-        return GenerationStream(
-            group, abort=lambda: self._inbox.put(_Abort(group)), release=self._release
-        )
 
-    def _release(self) -> None:
-        self._num_admitted -= 1
+        def release() -> None:  # once: GenerationStream calls it when the stream ends
+            self._num_admitted -= 1
+            self._release_tokens(num_tokens)
+
+        return GenerationStream(group, lambda: self._inbox.put(_Abort(group)), release)
 
     @contextlib.contextmanager
     def _admit(self) -> Iterator[None]:
@@ -353,13 +391,16 @@ class AsyncEngine:
             return []
         if self._dead is not None:
             raise EngineClosedError(f"the engine has stopped after an internal error: {self._dead}")
+        num_tokens = self._reserve_tokens(requests)
         group = _Group(requests, asyncio.get_running_loop())
         self._inbox.put(_Submit(group))
         try:
             return await group.future
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # client gone or deadline passed: free its blocks
             self._inbox.put(_Abort(group))
             raise
+        finally:
+            self._release_tokens(num_tokens)
 
     def _check_accepting(self) -> None:
         if self._dead is not None:
@@ -460,6 +501,8 @@ class AsyncEngine:
         self.stats.num_unfinished_requests = self._engine.num_unfinished_requests
         self.stats.num_waiting_requests = scheduler.num_waiting
         self.stats.num_running_requests = scheduler.num_running
+        kv = self._engine.core.kv_cache_manager
+        self.stats.kv_cache_usage = kv.usage if kv is not None else 0.0
 
 
 def _requests_or_raise(items: list[Any]) -> list[Any]:

@@ -44,7 +44,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help=f"model folder or id (default: the bundled {DEFAULT_MODEL})",
     )
-    parser.add_argument("--model", default=None, help="the model, as a flag (same as MODEL)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="the model, as a flag (same as MODEL); `serve` takes it more than once to serve "
+        "several models, each on its own engine",
+    )
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt, tokens")
     parser.add_argument(
@@ -107,10 +113,23 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
+def _model_args(args: argparse.Namespace) -> list[str]:
+    """MODEL, then each --model, in order (MODEL repeated as the first --model counts once)."""
+    flags = list(args.model or [])
+    if args.model_tag and flags and flags[0] == args.model_tag:
+        flags = flags[1:]
+    models = ([args.model_tag] if args.model_tag else []) + flags
+    repeated = sorted({m for m in models if models.count(m) > 1})
+    if repeated:
+        raise SystemExit(f"error: the model {repeated[0]!r} is given twice")
+    return models or [DEFAULT_MODEL]
+
+
 def _model_arg(args: argparse.Namespace) -> str:
-    if args.model_tag and args.model and args.model_tag != args.model:
-        raise SystemExit(f"error: two models given: {args.model_tag!r} and --model {args.model!r}")
-    return args.model_tag or args.model or DEFAULT_MODEL
+    models = _model_args(args)
+    if len(models) > 1:
+        raise SystemExit(f"error: two models given: {' and '.join(map(repr, models))}")
+    return models[0]
 
 
 # ---------------------------------------------------------------------- serve
@@ -130,22 +149,34 @@ def _add_serve_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--served-model-name",
+        dest="served_model_name_groups",
+        action="append",
         nargs="+",
         default=None,
-        help="model names clients may use; the first is echoed back",
+        metavar="NAME",
+        help="names clients may use in `model`; the first is echoed back (default: the model "
+        "argument). Several models: one --served-model-name per model, in order (or one with a "
+        "name per model)",
     )
     parser.add_argument(
         "--max-request-body-bytes",
+        "--max-input-bytes",
+        "--payload-limit",
+        dest="max_request_body_bytes",
         type=int,
         default=32 * 1024 * 1024,
-        help="larger request bodies get 413",
+        help="larger request bodies get 413 before they are read (default: 32 MiB)",
     )
     parser.add_argument(
         "--max-inputs-per-request",
+        "--max-batch-size",
+        "--max-client-batch-size",
+        dest="max_inputs_per_request",
         type=int,
         default=2048,
-        help="more inputs in one request get 413",
+        help="more inputs (texts, documents, pairs) in one request get 413 (default: 2048)",
     )
+    _add_admission_args(parser)
     parser.add_argument(
         "--shutdown-timeout",
         dest="shutdown_timeout_s",
@@ -175,6 +206,64 @@ def _add_serve_parser(subparsers: Any) -> None:
     parser.set_defaults(func=cmd_serve)
 
 
+def _add_admission_args(parser: argparse.ArgumentParser) -> None:
+    """Admission control (entrypoints/openai/admission.py; docs/server.md)."""
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=_positive_int,
+        default=512,
+        help="requests to model routes in flight at once, all models together; more get 429 "
+        "with Retry-After (default: 512, as TEI)",
+    )
+    parser.add_argument(
+        "--max-queued-tokens",
+        type=_positive_int,
+        default=None,
+        help="prompt tokens admitted and not yet finished, all models together; more get 429, "
+        "a request over it alone 413 (default: sized for this machine, 1/8 of its memory at "
+        "1 KiB per token)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        dest="request_timeout_s",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="abort a request still queued or running this long after it arrived (its KV "
+        "blocks freed) and answer 503 with Retry-After (default: no deadline)",
+    )
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return number
+
+
+def _served_names(args: argparse.Namespace, models: list[str]) -> list[list[str]]:
+    """Each model's served names: one --served-model-name group per model, or (several models)
+    one group with a name per model; none: the model argument."""
+    groups = args.served_model_name_groups
+    if not groups:
+        return [[model] for model in models]
+    if len(groups) == len(models):
+        return [list(group) for group in groups]
+    if len(groups) == 1 and len(groups[0]) == len(models):
+        return [[name] for name in groups[0]]
+    raise SystemExit(
+        f"error: {len(models)} models and {len(groups)} --served-model-name: give one "
+        "--served-model-name per --model, in order"
+    )
+
+
 def _port(value: str) -> int:
     try:
         port = int(value)
@@ -190,15 +279,16 @@ def _port(value: str) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tidepool.engine.async_engine import AsyncEngine
+    from tidepool.entrypoints.openai.served_models import load_engines
     from tidepool.entrypoints.openai.server import build_app
 
-    model = _model_arg(args)
+    models = _model_args(args)
+    names = _served_names(args, models)
     args.api_key = args.api_key or envs.api_key()
-    args.served_model_name = args.served_model_name or [model]
-    engine = AsyncEngine.from_args(model, **_engine_kwargs(args))
-    app = build_app(engine, args)
-    logger.info("serving %s as %s", model, ", ".join(args.served_model_name))
+    engines = load_engines(models, names, **_engine_kwargs(args))
+    app = build_app(engines, args)
+    for model, model_names in zip(models, names, strict=True):
+        logger.info("serving %s as %s", model, ", ".join(model_names))
     # uvicorn turns SIGTERM / SIGINT into a graceful shutdown: it stops accepting connections,
     # lets in-flight requests finish (up to the timeout), then the app's lifespan drains the engine.
     config = uvicorn.Config(

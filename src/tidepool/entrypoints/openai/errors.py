@@ -1,15 +1,16 @@
 """Every failure of a request → its HTTP status and OpenAI's error JSON, in one place for the
 routes (a JSON answer) and the streams (an error event).
 
-    ApiError (a client mistake, with its status) │ BatchInputError 400 │ EngineClosedError 503
-    EngineStepError 500 (503 once the server is stopping) │ anything else 500
+    ApiError (a client mistake or a refusal, with its status and headers) │ BatchInputError 400
+    EngineClosedError 503 │ EngineStepError 500 (503 once the server is stopping) │ else 500
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from starlette.responses import Response
 
@@ -28,13 +29,21 @@ _STATUS_OF_EXCEPTION: tuple[tuple[type[BaseException], int], ...] = (
 
 
 class ApiError(Exception):
-    """A request the server refuses, with its HTTP status and a message for the client."""
+    """A request the server refuses, with its HTTP status, a message for the client and the
+    headers its answer carries (Retry-After on a 429 / 503)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = dict(headers or {})
 
 
 @dataclass
@@ -52,12 +61,14 @@ class HttpError:
     status: int
     message: str
     param: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    """Extra response headers (Retry-After)."""
 
 
 def http_error(exc: BaseException, state: ServerState | None = None) -> HttpError:
     """The status and message a failure answers with (500s of unknown errors are logged)."""
     if isinstance(exc, ApiError):
-        return HttpError(exc.status, exc.message, exc.param)
+        return HttpError(exc.status, exc.message, exc.param, exc.headers)
     for exc_type, status in _STATUS_OF_EXCEPTION:
         if isinstance(exc, exc_type):
             if status == 500 and state is not None and state.stopping:
@@ -82,13 +93,19 @@ def error_json(status: int, message: str, param: str | None = None) -> bytes:
     return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def error_response(status: int, message: str, param: str | None = None) -> Response:
-    return Response(error_json(status, message, param), status, media_type="application/json")
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    body = error_json(status, message, param)
+    return Response(body, status, headers=dict(headers or {}), media_type="application/json")
 
 
 def exception_response(exc: BaseException, state: ServerState | None = None) -> Response:
     error = http_error(exc, state)
-    return error_response(error.status, error.message, error.param)
+    return error_response(error.status, error.message, error.param, error.headers)
 
 
 def error_event(exc: BaseException, state: ServerState | None = None) -> str:

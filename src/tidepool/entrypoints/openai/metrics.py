@@ -7,20 +7,29 @@ Names follow vLLM's `vllm:` style with a `tidepool:` prefix:
     tidepool:prompt_tokens_total{route}                 tokens the engine computed for each route
     tidepool:generation_tokens_total{route}             tokens generated (completions, chat)
     tidepool:time_to_first_token_seconds{route}         streamed generation: request → first text
+    tidepool:num_requests_in_flight                     HTTP requests holding an admission permit
+    tidepool:num_queued_tokens                          prompt tokens admitted, not yet finished
+    tidepool:requests_refused_total{reason}             429 / 413 of admission control (reason:
+                                                        concurrency, queued_tokens, request_tokens)
+    tidepool:requests_timed_out_total                   aborted at --request-timeout (503)
+  per model (label `model`: its first served name):
     tidepool:num_requests_waiting                       requests queued in the scheduler
     tidepool:num_requests_unfinished                    requests in the engine (waiting or running)
     tidepool:num_requests_running                       requests holding KV blocks (decoders)
+    tidepool:kv_cache_usage                             fraction of KV-cache blocks in use (decoders)
     tidepool:step_num_requests / step_num_tokens / step_duration_seconds   per engine step
-    tidepool:engine_steps_total, engine_step_failures_total, requests_aborted_total
+    tidepool:engine_steps_total, engine_step_failures_total, requests_aborted_total,
+    tidepool:requests_finished_total
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -38,49 +47,64 @@ _TOKEN_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's counters at scrape time (the engine thread writes them)."""
+    """Reads each engine's counters at scrape time (the engine threads write them)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
+    def __init__(self, engines: Mapping[str, AsyncEngine]) -> None:
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats
-        yield GaugeMetricFamily(
-            "tidepool:num_requests_waiting",
-            "Requests queued in the scheduler, not yet computed (sampled between engine steps).",
-            value=stats.num_waiting_requests,
-        )
-        yield GaugeMetricFamily(
-            "tidepool:num_requests_unfinished",
-            "Requests handed to the engine and not finished (waiting or in the running step).",
-            value=stats.num_unfinished_requests,
-        )
-        yield GaugeMetricFamily(
-            "tidepool:num_requests_running",
-            "Requests running in the scheduler, holding KV-cache blocks (decoders; sampled "
-            "between engine steps).",
-            value=stats.num_running_requests,
+        gauges = (
+            (
+                "tidepool:num_requests_waiting",
+                "Requests queued in the scheduler, not yet computed (sampled between engine "
+                "steps).",
+                "num_waiting_requests",
+            ),
+            (
+                "tidepool:num_requests_unfinished",
+                "Requests handed to the engine and not finished (waiting or in the running step).",
+                "num_unfinished_requests",
+            ),
+            (
+                "tidepool:num_requests_running",
+                "Requests running in the scheduler, holding KV-cache blocks (decoders; sampled "
+                "between engine steps).",
+                "num_running_requests",
+            ),
+            (
+                "tidepool:kv_cache_usage",
+                "Fraction of KV-cache blocks in use (decoders; sampled between engine steps).",
+                "kv_cache_usage",
+            ),
         )
         counters = (
-            ("tidepool:engine_steps", "Engine steps run.", stats.num_steps),
-            ("tidepool:engine_step_failures", "Engine steps that raised.", stats.num_failed_steps),
+            ("tidepool:engine_steps", "Engine steps run.", "num_steps"),
+            ("tidepool:engine_step_failures", "Engine steps that raised.", "num_failed_steps"),
             (
                 "tidepool:requests_aborted",
-                "Engine requests aborted because their client went away.",
-                stats.num_aborted_requests,
+                "Engine requests aborted: their client went away or their deadline passed.",
+                "num_aborted_requests",
             ),
             (
                 "tidepool:requests_finished",
                 "Engine requests finished (one per input).",
-                stats.num_finished_requests,
+                "num_finished_requests",
             ),
         )
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
+        for family_type, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, attribute in table:
+                family = family_type(name, doc, labels=["model"])
+                for model, engine in self.engines.items():
+                    family.add_metric([model], getattr(engine.stats, attribute))
+                yield family
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engines: AsyncEngine | Mapping[str, AsyncEngine]) -> None:
+        """`engines`: each model's engine by its served name (one engine: labelled by its
+        model argument)."""
+        if isinstance(engines, AsyncEngine):
+            engines = {engines.model_config.model: engines}
         # The `*_created` timestamp series double the output and no dashboard reads them.
         disable_created_metrics()
         self.registry = CollectorRegistry()
@@ -119,28 +143,66 @@ class ServerMetrics:
         self.step_num_requests = Histogram(
             "tidepool:step_num_requests",
             "Requests per engine step (dynamic batching across clients).",
+            ["model"],
             buckets=_BATCH_BUCKETS,
             registry=self.registry,
         )
         self.step_num_tokens = Histogram(
             "tidepool:step_num_tokens",
             "Tokens per engine step.",
+            ["model"],
             buckets=_TOKEN_BUCKETS,
             registry=self.registry,
         )
         self.step_seconds = Histogram(
             "tidepool:step_duration_seconds",
             "Duration of one engine step.",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_EngineCollector(engine))
+        self._add_admission_metrics()
+        self.registry.register(_EngineCollector(dict(engines)))
+        for model, engine in engines.items():
+            engine.add_step_listener(self._step_listener(model))
 
-    def on_step(self, record: StepRecord) -> None:
-        """Called on the engine thread after each step (prometheus_client is thread-safe)."""
-        self.step_num_requests.observe(record.num_requests)
-        self.step_num_tokens.observe(record.num_tokens)
-        self.step_seconds.observe(record.seconds)
+    def _add_admission_metrics(self) -> None:
+        self.requests_in_flight = Gauge(
+            "tidepool:num_requests_in_flight",
+            "HTTP requests to engine routes holding an admission permit.",
+            registry=self.registry,
+        )
+        self.queued_tokens = Gauge(
+            "tidepool:num_queued_tokens",
+            "Prompt tokens admitted to the engines and not finished (--max-queued-tokens).",
+            registry=self.registry,
+        )
+        self.requests_refused = Counter(
+            "tidepool:requests_refused",
+            "Requests refused by admission control, by reason: concurrency (429), queued_tokens "
+            "(429), request_tokens (413).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.requests_timed_out = Counter(
+            "tidepool:requests_timed_out",
+            "Requests aborted at their --request-timeout deadline (503).",
+            registry=self.registry,
+        )
+
+    def _step_listener(self, model: str) -> Callable[[StepRecord], None]:
+        """Called on the model's engine thread after each step (prometheus_client is
+        thread-safe); the children are looked up once, not per step."""
+        num_requests = self.step_num_requests.labels(model)
+        num_tokens = self.step_num_tokens.labels(model)
+        seconds = self.step_seconds.labels(model)
+
+        def on_step(record: StepRecord) -> None:
+            num_requests.observe(record.num_requests)
+            num_tokens.observe(record.num_tokens)
+            seconds.observe(record.seconds)
+
+        return on_step
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.http_requests.labels(route, str(status)).inc()

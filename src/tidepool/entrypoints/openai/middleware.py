@@ -1,6 +1,7 @@
 """The server's pure-ASGI middlewares, outermost first:
 
-metrics ─▶ api key (401) ─▶ body size (413) ─▶ JSON body ─▶ internal errors (500) ─▶ routes
+metrics ─▶ api key (401) ─▶ admission (429, admission.py) ─▶ body size (413) ─▶ JSON body
+        ─▶ internal errors (500) ─▶ routes
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class BodyLimitMiddleware:
         size = f"{num_bytes} bytes" if num_bytes is not None else "more"
         return (
             f"the request body has {size}; this server accepts at most {self.max_bytes} bytes "
-            "(--max-request-body-bytes)"
+            "(--max-request-body-bytes, alias --max-input-bytes)"
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -68,6 +68,7 @@ ERROR_TYPES = {
     405: "MethodNotAllowedError",
     413: "RequestEntityTooLargeError",
     422: "UnprocessableEntityError",
+    429: "RateLimitError",
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",

@@ -1,12 +1,13 @@
-"""The OpenAI-compatible HTTP server: thin FastAPI routes over `OpenAIServing` and one AsyncEngine.
+"""The OpenAI-compatible HTTP server: thin FastAPI routes over the services of each model.
 
-    client ─▶ middleware.py (metrics, 401, 413, JSON body, 500) ─▶ route ─▶ OpenAIServing…
-           ─▶ AsyncEngine
+    client ─▶ middleware.py (metrics, 401, 429 admission, 413, JSON body, 500) ─▶ route
+           ─▶ ServedModels.resolve(body.model) ─▶ OpenAIServing… of that model ─▶ its AsyncEngine
 
 Routes and JSON mirror `vllm serve`: pooling routes, and /v1/completions and /v1/chat/completions
 (JSON, or server-sent events with `stream`) on a generating model. Every error answers OpenAI's shape:
 {"error": {"message", "type", "param", "code"}} with `code` = the HTTP status, as vLLM does
-(errors.py maps each failure to its status).
+(errors.py maps each failure to its status). Admission control (429, 413, 503 at a deadline) is
+admission.py's; several models in one server, served_models.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+import functools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -27,6 +30,15 @@ from starlette.exceptions import HTTPException
 import tidepool
 from tidepool.engine.async_engine import AsyncEngine
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai.admission import (
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    Admission,
+    AdmissionLimits,
+    AdmissionMiddleware,
+    default_max_queued_tokens,
+    seconds_left,
+    within_deadline,
+)
 from tidepool.entrypoints.openai.encodings import EmbeddingCalibration
 from tidepool.entrypoints.openai.errors import (
     MAPPED_ERRORS,
@@ -45,10 +57,8 @@ from tidepool.entrypoints.openai.middleware import (
     MetricsMiddleware,
 )
 from tidepool.entrypoints.openai.routes_compat import add_compat_routes
-from tidepool.entrypoints.openai.serving import OpenAIServing, ServingLimits
-from tidepool.entrypoints.openai.serving_generate import OpenAIServingGeneration
-from tidepool.entrypoints.openai.serving_sparse import OpenAIServingSparse
-from tidepool.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from tidepool.entrypoints.openai.served_models import NamedEngine, ServedModel, ServedModels
+from tidepool.entrypoints.openai.serving import ServingLimits
 
 SHUTDOWN_MESSAGE = (
     "the server is shutting down and the request did not finish within its --shutdown-timeout"
@@ -58,13 +68,21 @@ SHUTDOWN_MESSAGE = (
 @dataclass(frozen=True)
 class ServerArgs:
     served_model_name: list[str] | None = None
-    """Names clients may put in `model`; the first is echoed back. None = the model argument."""
+    """Names clients may put in `model` for a single engine; the first is echoed back. None = the
+    model argument. (Several engines: each NamedEngine carries its names.)"""
     api_key: str | None = None
     """When set, requests need `Authorization: Bearer <api_key>` (except PUBLIC_PATHS)."""
     max_request_body_bytes: int = 32 * 1024 * 1024
     """Larger request bodies are refused with 413 before they are read."""
     max_inputs_per_request: int = 2048
     """More inputs (texts, documents, pairs) in one request → 413."""
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    """Requests to engine routes in flight at once; more → 429."""
+    max_queued_tokens: int | None = None
+    """Prompt tokens admitted and not finished, all models together; more → 429. None = sized
+    for the machine (admission.default_max_queued_tokens)."""
+    request_timeout_s: float | None = None
+    """A request still queued or running this long after it arrived is aborted → 503."""
     shutdown_timeout_s: float = 30.0
     """How long shutdown waits for in-flight requests to finish."""
     embedding_calibration: str | None = None
@@ -77,12 +95,20 @@ class ServerArgs:
         values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
         return cls(**values)
 
+    def admission_limits(self) -> AdmissionLimits:
+        max_queued_tokens = self.max_queued_tokens
+        if max_queued_tokens is None:
+            max_queued_tokens = default_max_queued_tokens()
+        return AdmissionLimits(
+            self.max_concurrent_requests, max_queued_tokens, self.request_timeout_s
+        )
+
 
 def _json(body: BaseModel, exclude_none: bool = False) -> Response:
     return Response(body.model_dump_json(exclude_none=exclude_none), media_type="application/json")
 
 
-# ---------------------------------------------------------------------- disconnects
+# ---------------------------------------------------------------------- disconnects, deadlines
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -98,15 +124,23 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
         await task
 
 
-async def serve_until_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
-    """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests).
+async def serve_until_disconnect(
+    request: Request, work: Coroutine[Any, Any, Response], admission: Admission | None = None
+) -> Response:
+    """Run `work`; if the client disconnects first, or the request's deadline passes (503),
+    cancel it (which aborts its engine requests, freeing their KV blocks).
 
     uvicorn cancels the handlers still running when a graceful shutdown's --shutdown-timeout is
     over: the work is cancelled too (its engine requests aborted) and the client gets a 503."""
     work_task = asyncio.ensure_future(work)
     watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    timeout_s = seconds_left(request.scope)
     try:
-        done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {work_task, watch_task},
+            timeout=None if timeout_s is None else max(0.0, timeout_s),
+            return_when=asyncio.FIRST_COMPLETED,
+        )
     except asyncio.CancelledError:
         await _cancel(watch_task)
         await _cancel(work_task)
@@ -117,47 +151,63 @@ async def serve_until_disconnect(request: Request, work: Coroutine[Any, Any, Res
     if work_task in done:
         watch_task.cancel()
         return work_task.result()
+    await _cancel(watch_task)
     await _cancel(work_task)
+    if not done and admission is not None:  # the deadline passed
+        return exception_response(admission.timed_out())
     return Response(status_code=STATUS_CLIENT_CLOSED)
 
 
 # ---------------------------------------------------------------------- app
 
 
-def build_app(engine: AsyncEngine, args: ServerArgs | argparse.Namespace | None = None) -> FastAPI:
-    """The FastAPI app over `engine`; the app's lifespan starts and drains the engine."""
+def build_app(
+    engines: AsyncEngine | Sequence[NamedEngine],
+    args: ServerArgs | argparse.Namespace | None = None,
+) -> FastAPI:
+    """The FastAPI app over one engine, or several (each NamedEngine a model, the first the
+    default); the app's lifespan starts and drains the engines."""
     if isinstance(args, argparse.Namespace):
         args = ServerArgs.from_namespace(args)
     args = args or ServerArgs()
-    names = list(args.served_model_name or [engine.model_config.model])
+    if isinstance(engines, AsyncEngine):
+        names = tuple(args.served_model_name or [engines.model_config.model])
+        engines = [NamedEngine(engines, names)]
     state = ServerState()
+    metrics = ServerMetrics({named.names[0]: named.engine for named in engines})
+    admission = Admission(args.admission_limits(), metrics)
+    limits = ServingLimits(args.max_inputs_per_request)
     calibration = EmbeddingCalibration(args.embedding_calibration)
-    serving = OpenAIServing(engine, names, ServingLimits(args.max_inputs_per_request), calibration)
-    tokenization = OpenAIServingTokenization(serving)
-    metrics = ServerMetrics(engine)
-    engine.add_step_listener(metrics.on_step)
-    generation = OpenAIServingGeneration(engine, serving, tokenization, metrics, state)
+    models = ServedModels(engines, limits, metrics, state, calibration)
+    for model in models:
+        model.engine.set_token_budget(admission)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        for model in models:
+            model.engine.start()
         yield
         state.stopping = True
-        await engine.shutdown(args.shutdown_timeout_s)
+        await asyncio.gather(*(m.engine.shutdown(args.shutdown_timeout_s) for m in models))
 
     app = FastAPI(title="tidepool", version=tidepool.__version__, lifespan=lifespan)
-    app.state.engine = engine
-    app.state.serving = serving
+    app.state.models = models
+    app.state.engine = models.default.engine
+    app.state.serving = models.default.serving
     app.state.metrics = metrics
+    app.state.admission = admission
     _add_exception_handlers(app, state)
-    add_compat_routes(app, serving, args.api_style, serve_until_disconnect)  # first: see there
-    _add_routes(app, serving, tokenization, metrics)
-    _add_generation_routes(app, generation)
+    serve = functools.partial(serve_until_disconnect, admission=admission)
+    # Cohere's and TEI's routes serve the default (first) model; first: see routes_compat.py.
+    add_compat_routes(app, models.default.serving, args.api_style, serve)
+    _add_routes(app, models, metrics, admission)
+    _add_info_routes(app, models, metrics)
     known_paths = {getattr(r, "path", "") for r in app.routes}
     # Each one added wraps the ones before: metrics, outermost, sees every status.
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    app.add_middleware(AdmissionMiddleware, admission=admission)
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known_paths)
@@ -171,25 +221,39 @@ def _count_tokens(metrics: ServerMetrics, route: str, body: BaseModel) -> None:
         metrics.prompt_tokens.labels(route).inc(num_tokens)
 
 
+Handler = Callable[[Any], Awaitable[BaseModel | AsyncIterator[str]]]
+"""A service method: the checked body → the answer (JSON), or server-sent events."""
+
+
+def _event_stream(events: AsyncIterator[str]) -> Response:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
 def _add_routes(
-    app: FastAPI,
-    serving: OpenAIServing,
-    tokenization: OpenAIServingTokenization,
-    metrics: ServerMetrics,
+    app: FastAPI, models: ServedModels, metrics: ServerMetrics, admission: Admission
 ) -> None:
+    """Every route that runs a model: the body's `model` picks the model (none: the default),
+    `service` the method of that model's services that answers."""
+
     def engine_route(
         path: str,
-        handler: Callable[[Any], Awaitable[BaseModel]],
+        service: Callable[[ServedModel], Handler],
         body_type: type,
         exclude_none: bool = False,
+        count_tokens: bool = True,
     ) -> None:
         async def route(body: body_type, raw_request: Request) -> Response:  # type: ignore[valid-type]
             async def work() -> Response:
-                result = await handler(body)
-                _count_tokens(metrics, path, result)
+                model = models.resolve(getattr(body, "model", None))
+                result = await service(model)(body)
+                if not isinstance(result, BaseModel):  # checks passed: the 200 goes out now
+                    return _event_stream(within_deadline(result, raw_request.scope, admission))
+                if count_tokens:
+                    _count_tokens(metrics, path, result)
                 return _json(result, exclude_none)
 
-            return await serve_until_disconnect(raw_request, work())
+            return await serve_until_disconnect(raw_request, work(), admission)
 
         # Real types, not the strings of `from __future__ import annotations`: FastAPI reads
         # them to parse and validate the body, and `body_type` is local to this function.
@@ -197,26 +261,46 @@ def _add_routes(
         route.__name__ = "route_" + path.strip("/").replace("/", "_")
         app.post(path)(route)
 
-    engine_route("/v1/embeddings", serving.embed, p.EmbeddingRequest)
-    engine_route("/pooling", serving.pool, p.PoolingRequest)
-    engine_route("/classify", serving.classify, p.ClassificationRequest)
-    engine_route("/embed_sparse", OpenAIServingSparse(serving).embed_sparse, p.EmbedSparseRequest)
+    engine_route("/v1/embeddings", lambda m: m.serving.embed, p.EmbeddingRequest)
+    engine_route("/pooling", lambda m: m.serving.pool, p.PoolingRequest)
+    engine_route("/classify", lambda m: m.serving.classify, p.ClassificationRequest)
+    engine_route("/embed_sparse", lambda m: m.sparse.embed_sparse, p.EmbedSparseRequest)
     for path in ("/score", "/v1/score"):
-        engine_route(path, serving.score, p.ScoreRequest)
+        engine_route(path, lambda m: m.serving.score, p.ScoreRequest)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        engine_route(path, serving.rerank, p.RerankRequest, exclude_none=True)
-    engine_route("/tokenize", tokenization.tokenize, p.TokenizeRequest)
-    engine_route("/detokenize", tokenization.detokenize, p.DetokenizeRequest)
+        engine_route(path, lambda m: m.serving.rerank, p.RerankRequest, exclude_none=True)
+    engine_route("/tokenize", lambda m: m.tokenization.tokenize, p.TokenizeRequest)
+    engine_route("/detokenize", lambda m: m.tokenization.detokenize, p.DetokenizeRequest)
+    # Generation counts its own tokens (a stream's too); JSON, or events when `stream` is set
+    # (checks and tokenization happen before the stream starts: their errors keep their status).
+    engine_route(
+        "/v1/completions",
+        lambda m: m.generation.completions,
+        p.CompletionRequest,
+        count_tokens=False,
+    )
+    engine_route(
+        "/v1/chat/completions",
+        lambda m: m.generation.chat,
+        p.ChatCompletionRequest,
+        count_tokens=False,
+    )
 
+
+def _add_info_routes(app: FastAPI, models: ServedModels, metrics: ServerMetrics) -> None:
     @app.get("/v1/models")
-    async def models() -> Response:
-        return _json(serving.models())
+    async def list_models() -> Response:
+        return _json(models.model_list())
 
     @app.get("/health")
     async def health() -> Response:
-        if not serving.engine.is_running:
-            return error_response(503, "the engine is not running")
-        return Response(status_code=200)
+        """200 with each model's state; 503 (OpenAI's error shape) while one is not running."""
+        report = models.health()
+        stopped = [name for name, s in report["models"].items() if s != "running"]
+        if stopped:
+            names = ", ".join(f"`{name}`" for name in stopped)
+            return error_response(503, f"the engine is not running for the model(s) {names}")
+        return Response(json.dumps(report), media_type="application/json")
 
     @app.get("/version")
     async def version() -> Response:
@@ -225,31 +309,6 @@ def _add_routes(
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-
-def _add_generation_routes(app: FastAPI, generation: OpenAIServingGeneration) -> None:
-    """JSON, or a text/event-stream when the body asks for `stream` (checks and tokenization
-    happen before the stream starts, so their errors keep their HTTP status)."""
-
-    async def answer(result: BaseModel | AsyncIterator[str]) -> Response:
-        if isinstance(result, BaseModel):
-            return _json(result)
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(result, media_type="text/event-stream", headers=headers)
-
-    @app.post("/v1/completions")
-    async def completions(body: p.CompletionRequest, raw_request: Request) -> Response:
-        async def work() -> Response:
-            return await answer(await generation.completions(body))
-
-        return await serve_until_disconnect(raw_request, work())
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: p.ChatCompletionRequest, raw_request: Request) -> Response:
-        async def work() -> Response:
-            return await answer(await generation.chat(body))
-
-        return await serve_until_disconnect(raw_request, work())
 
 
 # ---------------------------------------------------------------------- schema errors

@@ -1,0 +1,197 @@
+"""Several models in one server: a real `tidepool serve --model A --model B` (a tiny embedder and
+a tiny cross-encoder), requests routed by `model`, each answer equal to the offline LLM's; 404 for
+an unknown name; /v1/models, /health and /metrics report both; the memory of each load is logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from serverlib import ServerProcess, metric_value, start_server
+
+from tidepool.entrypoints.cli import _model_args, _served_names, build_parser
+
+EMBEDDER, RERANKER = "embedder", "reranker"
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "hi", "what is the capital of france?"]
+QUERY = "what is the capital of france?"
+DOCUMENTS = ["Paris is the capital of France.", "The fox is quick.", "Berlin is in Germany."]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("multi_model_server") / "server.log"
+    args = [
+        "--model", str(tiny_model_path("bert")), "--model", str(tiny_model_path("bert-cross-encoder")),
+        "--served-model-name", EMBEDDER, "--served-model-name", RERANKER,
+        "--device", "cpu", "--dtype", "float32",
+    ]  # fmt: skip
+    srv = start_server(args, log)
+    yield srv
+    assert srv.stop_gracefully(), srv.log()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60.0) as client:
+        yield client
+
+
+def offline_embeddings(tiny_llm) -> torch.Tensor:
+    return torch.tensor(
+        [o.outputs.embedding for o in tiny_llm("bert").embed(TEXTS, use_tqdm=False)]
+    )
+
+
+def offline_scores(tiny_llm) -> list[float]:
+    outputs = tiny_llm("bert-cross-encoder").score(QUERY, DOCUMENTS, use_tqdm=False)
+    return [o.outputs.score for o in outputs]
+
+
+def test_models_answer_side_by_side(http: httpx.Client, tiny_llm) -> None:
+    expected_vectors, expected_scores = offline_embeddings(tiny_llm), offline_scores(tiny_llm)
+
+    async def interleaved() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=60.0) as client:
+            calls = []
+            for _ in range(8):
+                calls.append(
+                    client.post("/v1/embeddings", json={"model": EMBEDDER, "input": TEXTS})
+                )
+                rerank = {"model": RERANKER, "query": QUERY, "documents": DOCUMENTS}
+                calls.append(client.post("/rerank", json=rerank))
+            return await asyncio.gather(*calls)
+
+    for response in asyncio.run(interleaved()):
+        assert response.status_code == 200, response.text
+        body = response.json()
+        if "data" in body:
+            assert body["model"] == EMBEDDER
+            vectors = torch.tensor([d["embedding"] for d in body["data"]])
+            torch.testing.assert_close(vectors, expected_vectors, atol=1e-5, rtol=0)
+        else:
+            assert body["model"] == RERANKER
+            scores = {r["index"]: r["relevance_score"] for r in body["results"]}
+            got = [scores[i] for i in range(len(DOCUMENTS))]
+            assert got == pytest.approx(expected_scores, abs=1e-5)
+
+
+def test_request_without_model_goes_to_the_first(http: httpx.Client, tiny_llm) -> None:
+    response = http.post("/v1/embeddings", json={"input": TEXTS})
+    assert response.status_code == 200 and response.json()["model"] == EMBEDDER
+    vectors = torch.tensor([d["embedding"] for d in response.json()["data"]])
+    torch.testing.assert_close(vectors, offline_embeddings(tiny_llm), atol=1e-5, rtol=0)
+
+
+def test_unknown_model_and_wrong_task(http: httpx.Client) -> None:
+    response = http.post("/v1/embeddings", json={"model": "gpt-4", "input": "x"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == 404 and error["type"] == "NotFoundError" and error["param"] == "model"
+    assert "`gpt-4` does not exist" in error["message"]
+    assert EMBEDDER in error["message"] and RERANKER in error["message"]
+    # A served name on a route its model does not support: that model's own 400.
+    response = http.post("/classify", json={"model": EMBEDDER, "input": "x"})
+    assert response.status_code == 400 and "embedding model" in response.json()["error"]["message"]
+
+
+def test_models_health_metrics_and_memory_log(
+    http: httpx.Client, server: ServerProcess, tiny_model_path
+) -> None:
+    cards = http.get("/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == [EMBEDDER, RERANKER]
+    assert cards[1]["root"] == str(tiny_model_path("bert-cross-encoder"))
+    health = http.get("/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "models": {EMBEDDER: "running", RERANKER: "running"}}
+    http.post("/v1/embeddings", json={"model": EMBEDDER, "input": "x"})
+    http.post("/rerank", json={"model": RERANKER, "query": "q", "documents": ["d"]})
+    text = http.get("/metrics").text
+    for name in (EMBEDDER, RERANKER):
+        assert metric_value(text, "tidepool:engine_steps_total", {"model": name}) > 0
+        assert f'tidepool:num_requests_waiting{{model="{name}"}}' in text
+    log = server.log()
+    assert log.count("resident memory") == 2, log
+    assert f"as {EMBEDDER} in" in log and f"as {RERANKER} in" in log
+
+
+def test_health_names_a_model_whose_engine_is_not_running(tiny_model_path) -> None:
+    from tidepool.engine.async_engine import AsyncEngine
+    from tidepool.entrypoints.openai.served_models import NamedEngine
+    from tidepool.entrypoints.openai.server import build_app
+
+    engines = [
+        NamedEngine(AsyncEngine.from_args(str(tiny_model_path(kind)), device="cpu"), (name,))
+        for kind, name in (("bert", EMBEDDER), ("bert-cross-encoder", RERANKER))
+    ]
+    engines[0].engine.start()  # the app's lifespan is not run here: only the first is started
+    app = build_app(engines)
+
+    async def get_health() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            return await client.get("/health")
+
+    try:
+        response = asyncio.run(get_health())
+        assert response.status_code == 503
+        message = response.json()["error"]["message"]
+        assert f"`{RERANKER}`" in message and EMBEDDER not in message
+    finally:
+        asyncio.run(engines[0].engine.shutdown())
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def _serve_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize(
+    "argv,models,names",
+    [
+        (["m"], ["m"], [["m"]]),
+        (["m", "--served-model-name", "a", "b"], ["m"], [["a", "b"]]),  # aliases, as before
+        (["m", "--model", "m"], ["m"], [["m"]]),  # MODEL and the same --model: one model
+        (["--model", "x", "--model", "y"], ["x", "y"], [["x"], ["y"]]),
+        (["x", "--model", "y", "--served-model-name", "a", "b"], ["x", "y"], [["a"], ["b"]]),
+        (
+            ["--model", "x", "--model", "y", "--served-model-name", "a", "a2", "--served-model-name", "b"],
+            ["x", "y"],
+            [["a", "a2"], ["b"]],
+        ),
+    ],
+)  # fmt: skip
+def test_serve_models_and_names(argv: list[str], models: list[str], names) -> None:
+    args = _serve_args(argv)
+    assert _model_args(args) == models
+    assert _served_names(args, models) == names
+
+
+def test_serve_refuses_names_that_do_not_fit() -> None:
+    args = _serve_args(["--model", "x", "--model", "y", "--served-model-name", "a", "b", "c"])
+    with pytest.raises(SystemExit, match="one --served-model-name per --model"):
+        _served_names(args, _model_args(args))
+    with pytest.raises(SystemExit, match="given twice"):
+        _model_args(_serve_args(["--model", "x", "--model", "x"]))
+    embed = build_parser().parse_args(["embed", "--model", "x", "--model", "y", "--demo"])
+    from tidepool.entrypoints.cli import _model_arg
+
+    with pytest.raises(SystemExit, match="two models given"):
+        _model_arg(embed)
+
+
+def test_duplicate_served_name_across_models_is_refused(tiny_model_path: Path) -> None:
+    from tidepool.engine.async_engine import AsyncEngine
+    from tidepool.entrypoints.openai.served_models import NamedEngine
+    from tidepool.entrypoints.openai.server import build_app
+
+    engine = AsyncEngine.from_args(str(tiny_model_path("bert")), device="cpu")
+    with pytest.raises(ValueError, match="given to two models"):
+        build_app([NamedEngine(engine, ("a",)), NamedEngine(engine, ("b", "a"))])
