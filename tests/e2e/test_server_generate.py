@@ -545,7 +545,8 @@ def test_pooling_runner_refuses_generation(model_path: Path) -> None:
     """`tidepool serve MODEL --runner pooling` on the same checkpoint: an embedding model, whose
     generation routes answer 400 while its embeddings work."""
     from tidepool.engine.async_engine import AsyncEngine
-    from tidepool.entrypoints.cli import _engine_kwargs, build_parser
+    from tidepool.entrypoints.cli import build_parser
+    from tidepool.entrypoints.cli_args import _engine_kwargs
     from tidepool.entrypoints.openai.server import build_app
 
     args = build_parser().parse_args(["serve", str(model_path), "--runner", "pooling"])

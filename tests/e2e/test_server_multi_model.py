@@ -15,7 +15,8 @@ import pytest
 import torch
 from serverlib import ServerProcess, metric_value, start_server
 
-from tidepool.entrypoints.cli import _model_args, _served_names, build_parser
+from tidepool.entrypoints.cli import _served_names, build_parser
+from tidepool.entrypoints.cli_args import _model_args
 
 EMBEDDER, RERANKER = "embedder", "reranker"
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "hi", "what is the capital of france?"]
@@ -181,7 +182,7 @@ def test_serve_refuses_names_that_do_not_fit() -> None:
     with pytest.raises(SystemExit, match="given twice"):
         _model_args(_serve_args(["--model", "x", "--model", "x"]))
     embed = build_parser().parse_args(["embed", "--model", "x", "--model", "y", "--demo"])
-    from tidepool.entrypoints.cli import _model_arg
+    from tidepool.entrypoints.cli_args import _model_arg
 
     with pytest.raises(SystemExit, match="two models given"):
         _model_arg(embed)

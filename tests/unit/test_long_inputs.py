@@ -162,7 +162,8 @@ def test_server_flag_and_routes(tiny_model_path, mean_llms, rerankers):
     from fastapi.testclient import TestClient
 
     from tidepool.engine.async_engine import AsyncEngine
-    from tidepool.entrypoints.cli import _engine_kwargs, build_parser
+    from tidepool.entrypoints.cli import build_parser
+    from tidepool.entrypoints.cli_args import _engine_kwargs
     from tidepool.entrypoints.openai.server import build_app
 
     args = build_parser().parse_args(

@@ -53,13 +53,17 @@ from tidepool.engine.args import build_engine_config
 from tidepool.engine.chunked import combine, expand, has_chunks
 from tidepool.engine.engine_core import EngineCore
 from tidepool.engine.generate_inputs import eos_token_ids
-from tidepool.engine.generation_stream import GenerationInput, GenerationStream, StreamGroup
+from tidepool.engine.generation_stream import (
+    GenerationInput,
+    GenerationStream,
+    PoolingGroup,
+    StreamGroup,
+)
 from tidepool.engine.input_processor import InputProcessor
 from tidepool.engine.llm_engine import (
     EngineClosedError,
     EngineStepError,
     LLMEngine,
-    Output,
     StepRecord,
 )
 from tidepool.models.loader import DEFAULT_MODEL
@@ -113,58 +117,14 @@ class AsyncEngineStats:
     kv_cache_usage: float = 0.0  # share of KV-cache blocks in use (0: an encoder), sampled
 
 
-class _Group:
-    """The requests of one caller, resolved once: when all have finished, or when one failed."""
-
-    def __init__(self, requests: list[Request], loop: asyncio.AbstractEventLoop) -> None:
-        self.requests = requests
-        self.loop = loop
-        self.future: asyncio.Future[list[PoolingRequestOutput]] = loop.create_future()
-        self.outputs: dict[str, PoolingRequestOutput] = {}
-        self.done = False
-
-    # The methods below run on the engine thread (the driver's OutputSink).
-
-    def add_output(self, out: Output) -> None:
-        self.outputs[out.request_id] = out  # type: ignore[assignment]
-        if len(self.outputs) == len(self.requests):
-            self._resolve([self.outputs[r.request_id] for r in self.requests], None)
-
-    def flush(self) -> None:
-        pass  # resolved at once when its last request finished
-
-    def fail(self, exc: BaseException) -> None:
-        self._resolve(None, exc)
-
-    def _resolve(
-        self, result: list[PoolingRequestOutput] | None, exc: BaseException | None
-    ) -> None:
-        if self.done:
-            return
-        self.done = True
-        try:
-            self.loop.call_soon_threadsafe(_set_future, self.future, result, exc)
-        except RuntimeError:  # the event loop is closed: nobody is waiting any more
-            pass
-
-
-def _set_future(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.done():  # cancelled: the caller went away
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
-
-
 @dataclass
 class _Submit:
-    group: _Group | StreamGroup
+    group: PoolingGroup | StreamGroup
 
 
 @dataclass
 class _Abort:
-    group: _Group | StreamGroup
+    group: PoolingGroup | StreamGroup
 
 
 @dataclass
@@ -392,7 +352,7 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineClosedError(f"the engine has stopped after an internal error: {self._dead}")
         num_tokens = self._reserve_tokens(requests)
-        group = _Group(requests, asyncio.get_running_loop())
+        group = PoolingGroup(requests, asyncio.get_running_loop())
         self._inbox.put(_Submit(group))
         try:
             return await group.future
@@ -449,7 +409,7 @@ class AsyncEngine:
             elif self._stop is None or not command.drain:
                 self._stop = command
 
-    def _add_group(self, group: _Group | StreamGroup) -> None:
+    def _add_group(self, group: PoolingGroup | StreamGroup) -> None:
         if self._stop is not None:
             group.fail(EngineClosedError("the engine is shutting down"))
             return
@@ -468,7 +428,7 @@ class AsyncEngine:
                 group.fail(BatchInputError([RequestError(index, str(exc))]))
                 return
 
-    def _drop_group(self, group: _Group | StreamGroup) -> int:
+    def _drop_group(self, group: PoolingGroup | StreamGroup) -> int:
         """Abort the group's unfinished requests in the engine; returns how many there were."""
         return sum(self._engine.abort_request(r.request_id) for r in group.requests)
 

@@ -1,11 +1,13 @@
-"""Generation results crossing from the engine thread to the event loop.
+"""Results crossing from the engine thread to the event loop: one future per pooling call
+(PoolingGroup), one stream per generating call (StreamGroup). Both are the driver's output sinks.
 
     engine thread                                     event loop (the caller's task)
     StreamGroup.add_output(out) × outputs of a step
     StreamGroup.flush() ── call_soon_threadsafe ────▶ asyncio.Queue ──▶ GenerationStream.__anext__
                             (one put per caller and step)             → list[RequestOutput]
 
-The engine thread owns StreamGroup (async_engine.py); the caller only sees GenerationStream.
+The engine thread owns both groups (async_engine.py); the caller only sees the future or the
+GenerationStream.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from tidepool.outputs import RequestOutput
+from tidepool.outputs import PoolingRequestOutput, RequestOutput
 from tidepool.request import Request
 
 
@@ -27,6 +30,50 @@ class GenerationInput:
     """Echoed in RequestOutput.prompt."""
     index: int = 0
     """CompletionOutput.index of its outputs (the server's choice index)."""
+
+
+class PoolingGroup:
+    """The requests of one caller, resolved once: when all have finished, or when one failed."""
+
+    def __init__(self, requests: list[Request], loop: asyncio.AbstractEventLoop) -> None:
+        self.requests = requests
+        self.loop = loop
+        self.future: asyncio.Future[list[PoolingRequestOutput]] = loop.create_future()
+        self.outputs: dict[str, PoolingRequestOutput] = {}
+        self.done = False
+
+    # The methods below run on the engine thread (the driver's OutputSink).
+
+    def add_output(self, out: PoolingRequestOutput | RequestOutput) -> None:
+        self.outputs[out.request_id] = out  # type: ignore[assignment]
+        if len(self.outputs) == len(self.requests):
+            self._resolve([self.outputs[r.request_id] for r in self.requests], None)
+
+    def flush(self) -> None:
+        pass  # resolved at once when its last request finished
+
+    def fail(self, exc: BaseException) -> None:
+        self._resolve(None, exc)
+
+    def _resolve(
+        self, result: list[PoolingRequestOutput] | None, exc: BaseException | None
+    ) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            self.loop.call_soon_threadsafe(_set_future, self.future, result, exc)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+
+def _set_future(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():  # cancelled: the caller went away
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 class StreamGroup:
