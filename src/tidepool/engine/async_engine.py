@@ -56,6 +56,7 @@ from tidepool.engine.llm_engine import (
     Output,
     StepRecord,
 )
+from tidepool.engine.shared_work import SharedWork, SharedWorkOptions
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams, SamplingParams
@@ -160,8 +161,10 @@ _Command = _Submit | _Abort | _Stop
 class AsyncEngine:
     """Async front of one EngineCore; safe to call from many coroutines of one event loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, shared_work: SharedWorkOptions | None = None) -> None:
         self.config = config
+        # Pooling requests (encode, encode_pairs) go through it: identical inputs computed once.
+        self.shared_work = SharedWork(self._run_admitted, shared_work or SharedWorkOptions())
         self.input_processor = InputProcessor(config.model)
         detokenizer = None
         self.eos_token_ids: tuple[int, ...] = ()
@@ -192,9 +195,14 @@ class AsyncEngine:
         self._dead: BaseException | None = None
 
     @classmethod
-    def from_args(cls, model: str | None = None, **engine_args: Any) -> AsyncEngine:
+    def from_args(
+        cls,
+        model: str | None = None,
+        shared_work: SharedWorkOptions | None = None,
+        **engine_args: Any,
+    ) -> AsyncEngine:
         """Build the engine like `LLM(model, **engine_args)` does."""
-        return cls(build_engine_config(model or DEFAULT_MODEL, **engine_args))
+        return cls(build_engine_config(model or DEFAULT_MODEL, **engine_args), shared_work)
 
     # ------------------------------------------------------------------ info
 
@@ -273,7 +281,7 @@ class AsyncEngine:
         """One output per prompt, in order. Invalid prompts raise BatchInputError (none run)."""
         with self._admit():
             items = await self._run_in_input_worker(self.input_processor.process, prompts, params)
-            return await self._run_admitted(_requests_or_raise(items))
+            return await self._run_pooling(_requests_or_raise(items))
 
     async def encode_pairs(
         self, pairs: Sequence[tuple[Any, Any]], params: Sequence[PoolingParams]
@@ -283,7 +291,7 @@ class AsyncEngine:
             items = await self._run_in_input_worker(
                 self.input_processor.process_pairs, pairs, params
             )
-            return await self._run_admitted(_requests_or_raise(items))
+            return await self._run_pooling(_requests_or_raise(items))
 
     async def run(self, requests: list[Request]) -> list[PoolingRequestOutput]:
         """Run tokenized requests; cancelling the awaiting task aborts them in the engine."""
@@ -335,6 +343,11 @@ class AsyncEngine:
             yield
         finally:
             self._num_admitted -= 1
+
+    async def _run_pooling(self, requests: list[Request]) -> list[PoolingRequestOutput]:
+        if not self.shared_work.options.enabled:
+            return await self._run_admitted(requests)
+        return await self.shared_work.run(requests)
 
     async def _run_admitted(self, requests: list[Request]) -> list[PoolingRequestOutput]:
         if not requests:

@@ -134,7 +134,39 @@ def _add_serve_parser(subparsers: Any) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    _add_shared_work_args(parser)
     parser.set_defaults(func=cmd_serve)
+
+
+def _add_shared_work_args(parser: argparse.ArgumentParser) -> None:
+    """Shared work between pooling requests (engine/shared_work.py; docs/server.md)."""
+    parser.add_argument(
+        "--embedding-cache-size",
+        type=_non_negative_int,
+        default=0,
+        help="keep this many pooling results (LRU; one per distinct token ids + parameters) "
+        "and answer repeats from it; 0 = no cache",
+    )
+    parser.add_argument(
+        "--disable-shared-work",
+        action="store_true",
+        help="compute every pooling input, even one identical to an input waiting or running",
+    )
+
+
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    return number
+
+
+def _shared_work_options(args: argparse.Namespace) -> Any:
+    from tidepool.engine.shared_work import SharedWorkOptions
+
+    return SharedWorkOptions(
+        share_in_flight=not args.disable_shared_work, cache_size=args.embedding_cache_size
+    )
 
 
 def _port(value: str) -> int:
@@ -158,7 +190,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = _model_arg(args)
     args.api_key = args.api_key or envs.api_key()
     args.served_model_name = args.served_model_name or [model]
-    engine = AsyncEngine.from_args(model, **_engine_kwargs(args))
+    engine = AsyncEngine.from_args(
+        model, shared_work=_shared_work_options(args), **_engine_kwargs(args)
+    )
     app = build_app(engine, args)
     logger.info("serving %s as %s", model, ", ".join(args.served_model_name))
     # uvicorn turns SIGTERM / SIGINT into a graceful shutdown: it stops accepting connections,

@@ -12,6 +12,9 @@ Names follow vLLM's `vllm:` style with a `tidepool:` prefix:
     tidepool:num_requests_running                       requests holding KV blocks (decoders)
     tidepool:step_num_requests / step_num_tokens / step_duration_seconds   per engine step
     tidepool:engine_steps_total, engine_step_failures_total, requests_aborted_total
+    tidepool:shared_work_cache_hits_total / cache_misses_total / cache_evictions_total
+    tidepool:shared_work_shared_total / computed_total    pooling inputs joined / sent to the engine
+    tidepool:shared_work_cache_entries                  results held by --embedding-cache-size
 """
 
 from __future__ import annotations
@@ -77,6 +80,39 @@ class _EngineCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _shared_work_metrics(self.engine)
+
+
+def _shared_work_metrics(engine: AsyncEngine) -> Iterator[Metric]:
+    """Counted per pooling input (engine/shared_work.py), on the event loop."""
+    shared = engine.shared_work
+    stats = shared.stats
+    counters = (
+        ("cache_hits", "Pooling inputs answered from the result cache.", stats.num_cache_hits),
+        (
+            "cache_misses",
+            "Pooling inputs looked up in the result cache and not found.",
+            stats.num_cache_misses,
+        ),
+        (
+            "cache_evictions",
+            "Result cache entries dropped at --embedding-cache-size (least recently used).",
+            stats.num_cache_evictions,
+        ),
+        (
+            "shared",
+            "Pooling inputs that joined an identical one waiting or running (computed once).",
+            stats.num_shared,
+        ),
+        ("computed", "Pooling inputs sent to the engine.", stats.num_computed),
+    )
+    for name, doc, value in counters:
+        yield CounterMetricFamily(f"tidepool:shared_work_{name}", doc, value=value)
+    yield GaugeMetricFamily(
+        "tidepool:shared_work_cache_entries",
+        "Results held in the result cache.",
+        value=shared.num_cached,
+    )
 
 
 class ServerMetrics:
