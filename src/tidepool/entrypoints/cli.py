@@ -42,18 +42,42 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help=f"model folder or id (default: the bundled {DEFAULT_MODEL})",
     )
-    parser.add_argument("--model", default=None, help="the model, as a flag (same as MODEL)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt, tokens")
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step"
+        "--model", default=None, help="the model, as a flag (same as MODEL; default: MODEL)"
+    )
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt, tokens (default: the model's own maximum)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one engine step (default: sized for the model and device)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (sampling)")
     parser.add_argument("--device", default=None, help="torch device (default: CUDA if present)")
-    parser.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate"])
-    parser.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"])
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "pooling", "generate"],
+        help="pooling (embed, classify, score) or generate; auto: from the architecture",
+    )
+    parser.add_argument(
+        "--convert",
+        default="auto",
+        choices=["auto", "embed", "classify"],
+        help="what a pooling runner makes of the model; auto: from the architecture",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the model folder's own Python code (transformers' trust_remote_code)",
+    )
     for flag, kind in _IGNORED_VLLM_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
     for flag in _IGNORED_VLLM_SWITCHES:
@@ -92,22 +116,30 @@ def _model_arg(args: argparse.Namespace) -> str:
 
 
 def _add_serve_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    parser = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server", formatter_class=HelpFormatter
+    )
     _add_engine_args(parser)
-    parser.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
+    parser.add_argument(
+        "--host",
+        default=None,
+        help="address to bind (default: all interfaces, 0.0.0.0; give 127.0.0.1 for this "
+        "machine only)",
+    )
     parser.add_argument(
         "--port", type=_port, default=8000, help="TCP port, 1-65535; 0 = a free one (logged)"
     )
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' (or set TIDEPOOL_API_KEY)",
+        help="require 'Authorization: Bearer KEY' (or set TIDEPOOL_API_KEY; default: none, "
+        "every client is served)",
     )
     parser.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
-        help="model names clients may use; the first is echoed back",
+        help="model names clients may use; the first is echoed back (default: the model argument)",
     )
     parser.add_argument(
         "--max-request-body-bytes",
@@ -132,8 +164,11 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level",
     )
-    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
+    )
     _add_shared_work_args(parser)
     parser.set_defaults(func=cmd_serve)
 
@@ -169,6 +204,20 @@ def _shared_work_options(args: argparse.Namespace) -> Any:
     )
 
 
+ALL_INTERFACES = ("", "0.0.0.0", "::", "[::]")
+
+
+def exposure_warning(host: str | None, api_key: str | None) -> str | None:
+    """What `serve` warns about before it binds, if anything: every interface and no key."""
+    if api_key or (host is not None and host not in ALL_INTERFACES):
+        return None
+    shown = host or "0.0.0.0"
+    return (
+        f"binding all interfaces ({shown}) without --api-key: anyone who can reach this machine "
+        "can use the server; pass --host 127.0.0.1 to serve this machine only, or --api-key KEY"
+    )
+
+
 def _port(value: str) -> int:
     try:
         port = int(value)
@@ -195,6 +244,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     app = build_app(engine, args)
     logger.info("serving %s as %s", model, ", ".join(args.served_model_name))
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        logger.warning(warning)
     # uvicorn turns SIGTERM / SIGINT into a graceful shutdown: it stops accepting connections,
     # lets in-flight requests finish (up to the timeout), then the app's lifespan drains the engine.
     config = uvicorn.Config(
@@ -215,15 +267,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _add_embed_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "embed",
+        formatter_class=HelpFormatter,
         help="embed a file of texts (resumable), or --demo",
         description="Embed INPUT (.txt, .jsonl, .parquet) into OUTPUT (.jsonl, .parquet, .npy). "
         "A rerun with the same arguments resumes after the rows already written.",
     )
     _add_engine_args(parser)
-    parser.add_argument("--input", "-i", type=_path_or_uri, default=None)
-    parser.add_argument("--output", "-o", type=_path_or_uri, default=None)
+    parser.add_argument(
+        "--input",
+        "-i",
+        type=_path_or_uri,
+        default=None,
+        help="texts: .txt (a line each), .jsonl or .parquet (no default: required unless --demo)",
+    )
+    parser.add_argument(
+        "--output",
+        "-o",
+        type=_path_or_uri,
+        default=None,
+        help="embeddings: .jsonl, .parquet or .npy (no default: required unless --demo)",
+    )
     parser.add_argument("--text-field", default="text", help="jsonl key / parquet column of texts")
-    parser.add_argument("--id-field", default=None, help="copy this key / column to the output")
+    parser.add_argument(
+        "--id-field", default=None, help="copy this key / column to the output (default: none)"
+    )
     parser.add_argument("--chunk-size", type=int, default=512, help="rows embedded per write")
     parser.add_argument(
         "--truncate-prompt-tokens",
@@ -236,7 +303,12 @@ def _add_embed_parser(subparsers: Any) -> None:
         action="store_true",
         help="fail on texts longer than the model's maximum instead",
     )
-    parser.add_argument("--dimensions", type=int, default=None, help="Matryoshka truncation")
+    parser.add_argument(
+        "--dimensions",
+        type=int,
+        default=None,
+        help="Matryoshka truncation (default: the model's full embedding)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="start again, do not resume")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -244,7 +316,7 @@ def _add_embed_parser(subparsers: Any) -> None:
         action="store_true",
         help="embed a built-in sample corpus offline and print throughput",
     )
-    parser.add_argument("--num-demo-texts", type=int, default=300)
+    parser.add_argument("--num-demo-texts", type=int, default=300, help="texts --demo embeds")
     _add_ray_embed_args(parser)
     parser.set_defaults(func=cmd_embed)
 
@@ -262,9 +334,12 @@ def _add_ray_embed_args(parser: argparse.ArgumentParser) -> None:
         metavar="ADDRESS",
         default=None,
         help="run on Ray: a cluster address, 'auto' (the cluster this machine is in) or 'local'; "
-        "INPUT may be a folder or URI, OUTPUT is a folder of parquet files, one per shard",
+        "INPUT may be a folder or URI, OUTPUT is a folder of parquet files, one per shard "
+        "(default: this process, no Ray)",
     )
-    group.add_argument("--num-actors", type=int, default=None, help="engines (default: CPUs)")
+    group.add_argument(
+        "--num-actors", type=int, default=None, help="engines (default: one per CPU of the cluster)"
+    )
     group.add_argument("--cpus-per-actor", type=float, default=1.0, help="threads per engine")
     group.add_argument(
         "--rows-per-file", type=int, default=10_000, help="input rows per output file (a shard)"
@@ -313,14 +388,62 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- example-models
+
+
+def _add_example_models_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "example-models",
+        formatter_class=HelpFormatter,
+        help="build tiny models with RANDOM weights, offline, for trying the API",
+        description="Build a tiny cross-encoder (BertForSequenceClassification, one label) with "
+        "random weights (fixed seed) and the bundled model's tokenizer into FOLDER/cross-encoder. "
+        "Its scores mean nothing: it is for trying LLM.score, /score and /rerank without a "
+        "download.",
+    )
+    parser.add_argument(
+        "folder",
+        nargs="?",
+        type=Path,
+        default=None,
+        help="where to build them (default: tidepool's cache folder, ~/.cache/tidepool/examples)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.set_defaults(func=cmd_example_models)
+
+
+def cmd_example_models(args: argparse.Namespace) -> int:
+    from tidepool.examples import example_cross_encoder
+
+    path = example_cross_encoder(args.folder, seed=args.seed)
+    print(f"{path}  (random weights: for trying the API, its scores mean nothing)")
+    return 0
+
+
 # ---------------------------------------------------------------------- main
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's help ends with its default, unless the text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        if action.nargs == 0 and action.default is False:  # a switch
+            return f"{text} (default: off)"
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import tidepool
+
     parser = argparse.ArgumentParser(prog="tidepool", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tidepool {tidepool.__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(subparsers)
     _add_embed_parser(subparsers)
+    _add_example_models_parser(subparsers)
     return parser
 
 
