@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from pydantic import BaseModel
+
+try:
+    import orjson
+except ImportError:  # the server then writes responses with pydantic alone
+    orjson = None  # type: ignore[assignment]
 
 from tidepool.engine.async_engine import AsyncEngine
 from tidepool.engine.pooling import (
@@ -35,6 +41,7 @@ from tidepool.outputs import BatchInputError, PoolingRequestOutput
 from tidepool.params import PoolingParams
 
 T = TypeVar("T")
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,62 @@ def encode_floats(values: torch.Tensor, encoding_format: str) -> list[Any] | str
         return base64.b64encode(raw.tobytes()).decode("ascii")
     listed = values.tolist()
     return listed if isinstance(listed, list) else [listed]
+
+
+# The float lists of a response are most of its work: `tolist()` makes a Python float per value,
+# pydantic checks each, then writes each. With orjson installed (the `server` extras) the vectors
+# stay arrays until the response is written, in one call from the array's buffer: ~3x less CPU
+# per response (32 vectors of 384: 2.3 ms → 0.8 ms). float64 arrays, so that every number is
+# written exactly as `tolist()` + pydantic write it (the float32 value, in full).
+def _vectors(outputs: list[PoolingRequestOutput], encoding_format: str) -> list[Any]:
+    """Each output's vector as the response will hold it (see above)."""
+    tensors = [o.outputs.data for o in outputs]
+    if orjson is None or encoding_format != "float":
+        return [encode_floats(t, encoding_format) for t in tensors]
+    # A 0-d tensor is written as a one-value list, as encode_floats does.
+    tensors = [t.reshape(1) if t.dim() == 0 else t for t in tensors]
+    if len({t.shape for t in tensors}) == 1:  # one conversion for all: rows of one array
+        return list(torch.stack(tensors).detach().to(torch.float64).numpy())
+    return [t.detach().to(torch.float64).numpy() for t in tensors]
+
+
+def _response(response_type: type[ModelT], item_type: type[BaseModel], **fields: Any) -> ModelT:
+    """The response; its items built without validation when their vectors are arrays."""
+    if orjson is None:
+        fields["data"] = [item_type(**item) for item in fields["data"]]
+    else:
+        fields["data"] = [item_type.model_construct(**item) for item in fields["data"]]
+    return response_type(**fields)
+
+
+class _ArrayJson:
+    """Writes the response with orjson when its `data` items hold numpy arrays (`_vector`)."""
+
+    def model_dump_json(self, *, exclude_none: bool = False, **kwargs: Any) -> str:
+        if orjson is None or kwargs:
+            return super().model_dump_json(exclude_none=exclude_none, **kwargs)  # type: ignore[misc]
+        model: BaseModel = self  # type: ignore[assignment]
+        head = model.model_dump(exclude={"data"}, exclude_none=exclude_none)
+        items = [_item_dict(item, exclude_none) for item in model.data]  # type: ignore[attr-defined]
+        body = {name: items if name == "data" else head[name] for name in _names(model, head)}
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+
+
+def _names(model: BaseModel, head: dict[str, Any]) -> list[str]:
+    return [name for name in type(model).model_fields if name == "data" or name in head]
+
+
+def _item_dict(item: BaseModel, exclude_none: bool) -> dict[str, Any]:
+    values = {name: getattr(item, name) for name in type(item).model_fields}
+    return {k: v for k, v in values.items() if v is not None} if exclude_none else values
+
+
+class EmbeddingResponse(_ArrayJson, p.EmbeddingResponse):
+    pass
+
+
+class PoolingResponse(_ArrayJson, p.PoolingResponse):
+    pass
 
 
 def _usage(outputs: list[PoolingRequestOutput]) -> p.UsageInfo:
@@ -145,12 +208,16 @@ class OpenAIServing:
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         data = [
-            p.EmbeddingResponseData(
-                index=i, embedding=encode_floats(o.outputs.data, req.encoding_format)
-            )
-            for i, o in enumerate(outputs)
+            {"index": i, "embedding": vector}
+            for i, vector in enumerate(_vectors(outputs, req.encoding_format))
         ]
-        return p.EmbeddingResponse(model=model, data=data, usage=_usage(outputs))
+        return _response(
+            EmbeddingResponse,
+            p.EmbeddingResponseData,
+            model=model,
+            data=data,
+            usage=_usage(outputs),
+        )
 
     async def pool(self, req: p.PoolingRequest) -> p.PoolingResponse:
         model = self.model_name(req.model)
@@ -165,10 +232,12 @@ class OpenAIServing:
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         data = [
-            p.PoolingResponseData(index=i, data=encode_floats(o.outputs.data, req.encoding_format))
-            for i, o in enumerate(outputs)
+            {"index": i, "data": vector}
+            for i, vector in enumerate(_vectors(outputs, req.encoding_format))
         ]
-        return p.PoolingResponse(model=model, data=data, usage=_usage(outputs))
+        return _response(
+            PoolingResponse, p.PoolingResponseData, model=model, data=data, usage=_usage(outputs)
+        )
 
     # ------------------------------------------------------------------ classify
 
