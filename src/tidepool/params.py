@@ -136,7 +136,7 @@ class SamplingParams:
                 self.logprobs is None or self.logprobs >= 0,
                 f"logprobs must be >= 0, got {self.logprobs}",
             ),
-            (all(self.stop), "stop strings must not be empty"),
+            (all(self.stop or ()), "stop strings must not be empty"),
             (
                 self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
                 f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}",

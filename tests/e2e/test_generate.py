@@ -139,8 +139,11 @@ def test_metrics_and_length_limits(tiny_decoder_path):
 def test_wrong_model_kind_errors(tiny_decoder_llm, llm):
     with pytest.raises(ValueError, match="generate\\(\\) needs a generative model"):
         tiny_decoder_llm("llama-embed").generate("hi")
-    with pytest.raises(BatchInputError, match="not supported by this generate model"):
+    # One rule for calls the model cannot serve at all (issue 18): refused up front, before any
+    # prompt is tokenized, not once per prompt.
+    with pytest.raises(ValueError, match=r"embed\(\) needs an embedding model") as refused:
         llm.embed("hi", use_tqdm=False)
+    assert not isinstance(refused.value, BatchInputError)
 
 
 def test_window_detokenizer_matches_the_stream(llm):

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import tidepool
-from tidepool.entrypoints import batch_embed
 from tidepool.entrypoints.cli import main
+from tidepool.jobs import local as batch_embed
 
 NUM_ROWS = 37  # not a multiple of the chunk size: the last chunk is short
 CHUNK = ["--chunk-size", "8", "--no-progress"]

@@ -154,9 +154,8 @@ def _violations(importer: str, forbidden: tuple[str, ...]) -> list[str]:
     return sorted(found)
 
 
-def _layer(importer: str, *forbidden: str, xfail: str | None = None):  # noqa: ANN202
-    marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
-    return pytest.param(importer, forbidden, marks=marks, id=importer)
+def _layer(importer: str, *forbidden: str):  # noqa: ANN202
+    return pytest.param(importer, forbidden, id=importer)
 
 
 def test_the_walker_sees_lazy_and_relative_imports() -> None:
@@ -229,10 +228,6 @@ def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
     assert _violations(importer, forbidden) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fixed by issue 13 parts 1 and 5 (engine driver, jobs/ package, openai/ split)",
-)
 def test_no_module_over_500_lines() -> None:
     long = {
         name: n

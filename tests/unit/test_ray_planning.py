@@ -11,26 +11,33 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from tidepool.entrypoints.batch_embed import JobError  # noqa: E402
-from tidepool.ray import embed_job  # noqa: E402
-from tidepool.ray.embed_job import (  # noqa: E402
+from tidepool.jobs import plan as embed_job  # noqa: E402
+from tidepool.jobs import rows as row_reader  # noqa: E402
+from tidepool.jobs.formats import JobError  # noqa: E402
+from tidepool.jobs.plan import (  # noqa: E402
     RayEmbedJob,
     line_ranges,
     plan_job,
     prepare_output,
-    read_shard,
     shard_name,
 )
+from tidepool.jobs.ray_runner import read_shard  # noqa: E402
 
 
 @pytest.mark.parametrize("block_bytes", [1, 3, 1 << 24])
 def test_line_ranges_skip_blank_lines_at_any_block_size(monkeypatch, block_bytes: int) -> None:
-    monkeypatch.setattr(embed_job, "_READ_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(row_reader, "_READ_BLOCK_BYTES", block_bytes)
+    # (row_start, row_stop, byte_start, byte_stop, line_start): line_start is the shard's
+    # first line number (added when the row reader became one for both jobs).
     data = b"a\n\nb\nc\n"
-    assert line_ranges(io.BytesIO(data), 2) == [(0, 2, 0, 5), (2, 3, 5, 7)]
-    assert line_ranges(io.BytesIO(b"a\n\nb\nc"), 2) == [(0, 2, 0, 5), (2, 3, 5, 6)]
+    assert line_ranges(io.BytesIO(data), 2) == [(0, 2, 0, 5, 1), (2, 3, 5, 7, 4)]
+    assert line_ranges(io.BytesIO(b"a\n\nb\nc"), 2) == [(0, 2, 0, 5, 1), (2, 3, 5, 6, 4)]
     assert line_ranges(io.BytesIO(b"\n \n"), 2) == []
-    assert line_ranges(io.BytesIO(b"x\ny\nz\n"), 1) == [(0, 1, 0, 2), (1, 2, 2, 4), (2, 3, 4, 6)]
+    assert line_ranges(io.BytesIO(b"x\ny\nz\n"), 1) == [
+        (0, 1, 0, 2, 1),
+        (1, 2, 2, 4, 2),
+        (2, 3, 4, 6, 3),
+    ]
 
 
 def test_shard_names_are_stable_and_distinct() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tidepool import envs
+from tidepool.jobs.local import ON_ERROR
 from tidepool.models.loader import DEFAULT_MODEL
 
 logger = logging.getLogger("tidepool")
@@ -310,6 +311,13 @@ def _add_embed_parser(subparsers: Any) -> None:
         help="Matryoshka truncation (default: the model's full embedding)",
     )
     parser.add_argument("--overwrite", action="store_true", help="start again, do not resume")
+    parser.add_argument(
+        "--on-error",
+        choices=ON_ERROR,
+        default="skip",
+        help="a bad row (listed with its line in OUTPUT.errors.jsonl): skip it and exit with "
+        "status 1 at the end (default), or fail: stop at it",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--demo",
@@ -327,7 +335,7 @@ def _path_or_uri(value: str) -> Path | str:
 
 
 def _add_ray_embed_args(parser: argparse.ArgumentParser) -> None:
-    """`--ray`: the same job on a Ray cluster (tidepool.ray.embed_job; docs/ray.md)."""
+    """`--ray`: the same job on a Ray cluster (tidepool.jobs.ray_runner; docs/ray.md)."""
     group = parser.add_argument_group("on a Ray cluster (pip install 'tidepool[ray]')")
     group.add_argument(
         "--ray",
@@ -348,15 +356,13 @@ def _add_ray_embed_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_embed(args: argparse.Namespace) -> int:
     from tidepool import LLM
-    from tidepool.entrypoints.batch_embed import EmbedJob, JobError, run_demo, run_embed_job
+    from tidepool.jobs.demo import run_demo
 
     if not args.demo and (args.input is None or args.output is None):
         raise SystemExit("error: tidepool embed needs --input and --output (or --demo)")
     if args.chunk_size < 1:
         raise SystemExit("error: --chunk-size must be >= 1")
     if args.ray is not None and not args.demo:  # the input may be a folder or a URI there
-        from tidepool.ray.embed_job import cmd_embed_ray
-
         if args.rows_per_file < 1:
             raise SystemExit("error: --rows-per-file must be >= 1")
         return cmd_embed_ray(args, _model_arg(args), _engine_kwargs(args))
@@ -368,6 +374,13 @@ def cmd_embed(args: argparse.Namespace) -> int:
     if args.demo:
         run_demo(llm, args.num_demo_texts)
         return 0
+    return _run_local_job(llm, args)
+
+
+def _run_local_job(llm: Any, args: argparse.Namespace) -> int:
+    from tidepool.jobs.formats import JobError
+    from tidepool.jobs.local import EmbedJob, run_embed_job
+
     job = EmbedJob(
         input=args.input,
         output=args.output,
@@ -378,13 +391,78 @@ def cmd_embed(args: argparse.Namespace) -> int:
         dimensions=args.dimensions,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        on_error=args.on_error,
     )
     try:
-        num_embedded = run_embed_job(llm, job)
+        result = run_embed_job(llm, job)
     except JobError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"embedded {num_embedded} rows into {args.output}")
+    print(f"embedded {result.num_embedded} rows into {args.output}")
+    if result.stopped_at is not None:
+        print(f"error: {result.stopped_at.describe()} (--on-error fail)", file=sys.stderr)
+        return 1
+    if not result.num_skipped:
+        return 0
+    for bad in result.first_errors:
+        print(f"skipped {bad.describe()}", file=sys.stderr)
+    shown = len(result.first_errors)
+    more = f" ({result.num_skipped - shown} more)" if result.num_skipped > shown else ""
+    print(
+        f"error: {result.num_skipped} bad rows are not in {args.output}{more}; each is listed "
+        f"with its line in {result.errors_path}",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def cmd_embed_ray(args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any]) -> int:
+    """`tidepool embed --ray ADDRESS ...` (the CLI's flags, already parsed)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        print("error: --ray needs Ray: pip install 'tidepool[ray]'", file=sys.stderr)
+        return 2
+    from tidepool.engine.args import build_engine_config
+    from tidepool.jobs.formats import JobError
+    from tidepool.jobs.plan import RayEmbedJob
+    from tidepool.jobs.ray_runner import run_ray_embed_job
+
+    # A missing model or engine arguments that do not fit fail here, in one line (the CLI's
+    # exit status 2), not in every actor after the cluster has started.
+    build_engine_config(model, **engine_kwargs)
+    job = RayEmbedJob(
+        input=str(args.input),
+        output=str(args.output),
+        model=model,
+        engine_kwargs=engine_kwargs,
+        text_field=args.text_field,
+        id_field=args.id_field,
+        rows_per_file=args.rows_per_file,
+        chunk_size=args.chunk_size,
+        truncate_prompt_tokens=None if args.no_truncate else args.truncate_prompt_tokens,
+        dimensions=args.dimensions,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        num_actors=args.num_actors,
+        cpus_per_actor=args.cpus_per_actor,
+    )
+    try:
+        summary = run_ray_embed_job(job, args.ray)
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ConnectionError as e:  # no cluster at that address
+        print(f"error: cannot join the Ray cluster at {args.ray!r}: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"embedded {summary.num_rows} rows into {summary.num_shards - summary.num_skipped} files "
+        f"of {args.output} ({summary.num_skipped} were complete already)"
+    )
+    if summary.num_errors:
+        # Every input row has an output row here: a bad one carries its `error`.
+        print(f"{summary.num_errors} rows have no embedding: see their `error` column")
+        return 1 if args.on_error == "fail" else 0
     return 0
 
 

@@ -3,7 +3,7 @@
     tidepool.ray.Predictor        callable class for Dataset.map_batches (one engine per actor)
     tidepool.ray.embed_dataset    ds → ds + embedding / error columns (classify_dataset,
                                   score_dataset, map_dataset likewise)
-    tidepool.ray.embed_job        `tidepool embed --ray`: files in, parquet files out, resumable
+    tidepool.jobs.ray_runner      `tidepool embed --ray`: files in, parquet files out, resumable
     tidepool.ray.serve            N replicas of the OpenAI-compatible server on Ray Serve
 
 The engine stays a single-process library; Ray runs many of them (see docs/ray.md). Needs

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tidepool.jobs.pooling import PooledRows, pool_rows
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.signatures import fields_as_keywords
 
@@ -44,86 +44,6 @@ logger = logging.getLogger("tidepool")
 TASKS = ("embed", "classify", "score")
 DEFAULT_OUTPUT_COLUMNS = {"embed": "embedding", "classify": "probs", "score": "score"}
 OUTPUT_DTYPES = ("float16", "float32", "float64")
-
-
-@dataclass(frozen=True)
-class PooledRows:
-    """The results of one batch of rows, in row order."""
-
-    values: np.ndarray
-    """[num_rows, width] (embed, classify) or [num_rows] (score); zeros where a row failed."""
-    errors: list[str | None]
-    """Per row: None, or why the row has no value."""
-
-
-# ---------------------------------------------------------------------- engine calls
-
-
-def pool_rows(
-    llm: Any,
-    task: str,
-    texts: list[Any],
-    pairs: list[Any] | None = None,
-    *,
-    pooling_params: Any = None,
-    truncate_prompt_tokens: int | None = None,
-) -> PooledRows:
-    """Run `task` over `texts` (and `pairs` for score); bad rows become errors, never raise.
-
-    Errors of the whole call (dimensions larger than the model's, a task the model lacks) still
-    raise: they are settings to fix, and no row of the job could succeed.
-    """
-    from tidepool.outputs import BatchInputError
-
-    try:
-        outputs = _call_engine(llm, task, texts, pairs, pooling_params, truncate_prompt_tokens)
-        errors: list[str | None] = [None] * len(texts)
-    except BatchInputError as e:
-        outputs = e.outputs
-        errors = [None] * len(texts)
-        for error in e.errors:
-            errors[error.index] = error.message
-    return PooledRows(_stack(task, outputs, len(texts)), errors)
-
-
-def _call_engine(
-    llm: Any,
-    task: str,
-    texts: list[Any],
-    pairs: list[Any] | None,
-    pooling_params: Any,
-    truncate_prompt_tokens: int | None,
-) -> list[Any]:
-    if task == "score":
-        return llm.score(
-            texts,
-            pairs,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            pooling_params=pooling_params,
-            use_tqdm=False,
-        )
-    # encode() hands back tensors: no per-row Python lists, unlike embed() / classify().
-    return llm.encode(
-        texts,
-        pooling_params,
-        pooling_task=task,
-        truncate_prompt_tokens=truncate_prompt_tokens,
-        use_tqdm=False,
-    )
-
-
-def _stack(task: str, outputs: Sequence[Any], num_rows: int) -> np.ndarray:
-    if task == "score":
-        return np.array(
-            [0.0 if out is None else out.outputs.score for out in outputs], dtype=np.float64
-        )
-    vectors = [None if out is None else out.outputs.data.float().numpy() for out in outputs]
-    width = next((len(v) for v in vectors if v is not None), 0)
-    stacked = np.zeros((num_rows, width), dtype=np.float32)
-    for i, vector in enumerate(vectors):
-        if vector is not None:
-            stacked[i] = vector
-    return stacked
 
 
 # ---------------------------------------------------------------------- arrow columns
