@@ -13,6 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from tidepool import envs
+from tidepool.entrypoints.cli_parts import (
+    HelpFormatter,
+    add_example_models_parser,
+    add_shared_work_args,
+    exposure_warning,
+    shared_work_options,
+)
 from tidepool.jobs.local import ON_ERROR
 from tidepool.models.loader import DEFAULT_MODEL
 
@@ -170,53 +177,8 @@ def _add_serve_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
     )
-    _add_shared_work_args(parser)
+    add_shared_work_args(parser)
     parser.set_defaults(func=cmd_serve)
-
-
-def _add_shared_work_args(parser: argparse.ArgumentParser) -> None:
-    """Shared work between pooling requests (engine/shared_work.py; docs/server.md)."""
-    parser.add_argument(
-        "--embedding-cache-size",
-        type=_non_negative_int,
-        default=0,
-        help="keep this many pooling results (LRU; one per distinct token ids + parameters) "
-        "and answer repeats from it; 0 = no cache",
-    )
-    parser.add_argument(
-        "--disable-shared-work",
-        action="store_true",
-        help="compute every pooling input, even one identical to an input waiting or running",
-    )
-
-
-def _non_negative_int(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
-    return number
-
-
-def _shared_work_options(args: argparse.Namespace) -> Any:
-    from tidepool.engine.shared_work import SharedWorkOptions
-
-    return SharedWorkOptions(
-        share_in_flight=not args.disable_shared_work, cache_size=args.embedding_cache_size
-    )
-
-
-ALL_INTERFACES = ("", "0.0.0.0", "::", "[::]")
-
-
-def exposure_warning(host: str | None, api_key: str | None) -> str | None:
-    """What `serve` warns about before it binds, if anything: every interface and no key."""
-    if api_key or (host is not None and host not in ALL_INTERFACES):
-        return None
-    shown = host or "0.0.0.0"
-    return (
-        f"binding all interfaces ({shown}) without --api-key: anyone who can reach this machine "
-        "can use the server; pass --host 127.0.0.1 to serve this machine only, or --api-key KEY"
-    )
 
 
 def _port(value: str) -> int:
@@ -241,7 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     args.api_key = args.api_key or envs.api_key()
     args.served_model_name = args.served_model_name or [model]
     engine = AsyncEngine.from_args(
-        model, shared_work=_shared_work_options(args), **_engine_kwargs(args)
+        model, shared_work=shared_work_options(args), **_engine_kwargs(args)
     )
     app = build_app(engine, args)
     logger.info("serving %s as %s", model, ", ".join(args.served_model_name))
@@ -466,51 +428,7 @@ def cmd_embed_ray(args: argparse.Namespace, model: str, engine_kwargs: dict[str,
     return 0
 
 
-# ---------------------------------------------------------------------- example-models
-
-
-def _add_example_models_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "example-models",
-        formatter_class=HelpFormatter,
-        help="build tiny models with RANDOM weights, offline, for trying the API",
-        description="Build a tiny cross-encoder (BertForSequenceClassification, one label) with "
-        "random weights (fixed seed) and the bundled model's tokenizer into FOLDER/cross-encoder. "
-        "Its scores mean nothing: it is for trying LLM.score, /score and /rerank without a "
-        "download.",
-    )
-    parser.add_argument(
-        "folder",
-        nargs="?",
-        type=Path,
-        default=None,
-        help="where to build them (default: tidepool's cache folder, ~/.cache/tidepool/examples)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    parser.set_defaults(func=cmd_example_models)
-
-
-def cmd_example_models(args: argparse.Namespace) -> int:
-    from tidepool.examples import example_cross_encoder
-
-    path = example_cross_encoder(args.folder, seed=args.seed)
-    print(f"{path}  (random weights: for trying the API, its scores mean nothing)")
-    return 0
-
-
 # ---------------------------------------------------------------------- main
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's help ends with its default, unless the text already says it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS):
-            return text
-        if action.nargs == 0 and action.default is False:  # a switch
-            return f"{text} (default: off)"
-        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -521,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(subparsers)
     _add_embed_parser(subparsers)
-    _add_example_models_parser(subparsers)
+    add_example_models_parser(subparsers)
     return parser
 
 
