@@ -232,3 +232,9 @@ def test_a_rejected_request_names_the_callers_own_index(engine) -> None:
     with pytest.raises(BatchInputError) as info:
         asyncio.run(engine.encode(["fine", "also fine"], [EMBED, wrong]))
     assert [e.index for e in info.value.errors] == [1]
+
+
+def test_cached_results_hold_only_their_own_row(cached_engine) -> None:
+    asyncio.run(cached_engine.encode(["row a", "row b", "row c"], [EMBED] * 3))
+    for output in cached_engine.shared_work._cache.values():  # not the memory of a whole step
+        assert output.data.untyped_storage().nbytes() == output.data.nbytes

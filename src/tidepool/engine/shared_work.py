@@ -145,6 +145,11 @@ class SharedWork:
     def _cache_put(self, key: WorkKey, output: PoolingOutput) -> None:
         if not self.options.cache_size:
             return
+        data = output.data
+        if data.untyped_storage().nbytes() > data.nbytes:
+            # A view into the step's whole output batch: kept as is, one entry would hold the
+            # memory of every row of its step.
+            output = PoolingOutput(data.clone())
         self._cache[key] = output
         self._cache.move_to_end(key)
         while len(self._cache) > self.options.cache_size:
