@@ -22,6 +22,16 @@ def api_key() -> str | None:
     return os.environ.get("TIDEPOOL_API_KEY") or None
 
 
+def cache_dir() -> str:
+    """TIDEPOOL_CACHE_DIR: where tidepool keeps what it builds (the example models); default:
+    $XDG_CACHE_HOME/tidepool, else ~/.cache/tidepool."""
+    explicit = os.environ.get("TIDEPOOL_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tidepool")
+
+
 def cpu_attention() -> str:
     """TIDEPOOL_CPU_ATTENTION: the encoders' attention kernel on CPU. "auto" (default): tidepool's
     own AVX-512 kernel where the CPU has AVX-512 and it builds, else PyTorch's SDPA; "native": the

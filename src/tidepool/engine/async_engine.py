@@ -66,6 +66,7 @@ from tidepool.engine.llm_engine import (
     LLMEngine,
     StepRecord,
 )
+from tidepool.engine.shared_work import SharedWork, SharedWorkOptions
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams, SamplingParams
@@ -139,8 +140,10 @@ _Command = _Submit | _Abort | _Stop
 class AsyncEngine:
     """Async front of one EngineCore; safe to call from many coroutines of one event loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, shared_work: SharedWorkOptions | None = None) -> None:
         self.config = config
+        # Pooling requests (encode, encode_pairs) go through it: identical inputs computed once.
+        self.shared_work = SharedWork(self._run_admitted, shared_work or SharedWorkOptions())
         self.input_processor = InputProcessor(config.model)
         detokenizer = None
         self.eos_token_ids: tuple[int, ...] = ()
@@ -174,9 +177,14 @@ class AsyncEngine:
         self._token_budget: TokenBudget | None = None
 
     @classmethod
-    def from_args(cls, model: str | None = None, **engine_args: Any) -> AsyncEngine:
+    def from_args(
+        cls,
+        model: str | None = None,
+        shared_work: SharedWorkOptions | None = None,
+        **engine_args: Any,
+    ) -> AsyncEngine:
         """Build the engine like `LLM(model, **engine_args)` does."""
-        return cls(build_engine_config(model or DEFAULT_MODEL, **engine_args))
+        return cls(build_engine_config(model or DEFAULT_MODEL, **engine_args), shared_work)
 
     # ------------------------------------------------------------------ info
 
@@ -341,10 +349,15 @@ class AsyncEngine:
     async def _run_items(self, items: list[Any]) -> list[PoolingRequestOutput]:
         """Requests, and long inputs run in chunks whose outputs are combined (chunked.py)."""
         if not has_chunks(items):
-            return await self._run_admitted(items)
+            return await self._run_pooling(items)
         expansion = expand(items)
-        outputs = await self._run_admitted(expansion.flat)  # type: ignore[arg-type]
+        outputs = await self._run_pooling(expansion.flat)  # type: ignore[arg-type]
         return combine(expansion, outputs, [], self.model_config)[0]  # type: ignore[return-value]
+
+    async def _run_pooling(self, requests: list[Request]) -> list[PoolingRequestOutput]:
+        if not self.shared_work.options.enabled:
+            return await self._run_admitted(requests)
+        return await self.shared_work.run(requests)
 
     async def _run_admitted(self, requests: list[Request]) -> list[PoolingRequestOutput]:
         if not requests:

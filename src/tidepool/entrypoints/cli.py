@@ -22,22 +22,37 @@ from tidepool.entrypoints.cli_args import (
     _positive_float,
     _positive_int,
 )
+from tidepool.entrypoints.cli_parts import (
+    HelpFormatter,
+    add_example_models_parser,
+    add_shared_work_args,
+    exposure_warning,
+    shared_work_options,
+)
 from tidepool.jobs.local import ON_ERROR
 
 logger = logging.getLogger("tidepool")
 
 
 def _add_serve_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    parser = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server", formatter_class=HelpFormatter
+    )
     _add_engine_args(parser)
-    parser.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
+    parser.add_argument(
+        "--host",
+        default=None,
+        help="address to bind (default: all interfaces, 0.0.0.0; give 127.0.0.1 for this "
+        "machine only)",
+    )
     parser.add_argument(
         "--port", type=_port, default=8000, help="TCP port, 1-65535; 0 = a free one (logged)"
     )
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' (or set TIDEPOOL_API_KEY)",
+        help="require 'Authorization: Bearer KEY' (or set TIDEPOOL_API_KEY; default: none, "
+        "every client is served)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -93,8 +108,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level",
     )
-    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
+    )
+    add_shared_work_args(parser)
     parser.set_defaults(func=cmd_serve)
 
 
@@ -151,10 +170,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     models = _model_args(args)
     names = _served_names(args, models)
     args.api_key = args.api_key or envs.api_key()
-    engines = load_engines(models, names, **_engine_kwargs(args))
+    engines = load_engines(
+        models, names, shared_work=shared_work_options(args), **_engine_kwargs(args)
+    )
     app = build_app(engines, args)
     for model, model_names in zip(models, names, strict=True):
         logger.info("serving %s as %s", model, ", ".join(model_names))
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        logger.warning(warning)
     # uvicorn turns SIGTERM / SIGINT into a graceful shutdown: it stops accepting connections,
     # lets in-flight requests finish (up to the timeout), then the app's lifespan drains the engine.
     config = uvicorn.Config(
@@ -175,15 +199,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _add_embed_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "embed",
+        formatter_class=HelpFormatter,
         help="embed a file of texts (resumable), or --demo",
         description="Embed INPUT (.txt, .jsonl, .parquet) into OUTPUT (.jsonl, .parquet, .npy). "
         "A rerun with the same arguments resumes after the rows already written.",
     )
     _add_engine_args(parser)
-    parser.add_argument("--input", "-i", type=_path_or_uri, default=None)
-    parser.add_argument("--output", "-o", type=_path_or_uri, default=None)
+    parser.add_argument(
+        "--input",
+        "-i",
+        type=_path_or_uri,
+        default=None,
+        help="texts: .txt (a line each), .jsonl or .parquet (no default: required unless --demo)",
+    )
+    parser.add_argument(
+        "--output",
+        "-o",
+        type=_path_or_uri,
+        default=None,
+        help="embeddings: .jsonl, .parquet or .npy (no default: required unless --demo)",
+    )
     parser.add_argument("--text-field", default="text", help="jsonl key / parquet column of texts")
-    parser.add_argument("--id-field", default=None, help="copy this key / column to the output")
+    parser.add_argument(
+        "--id-field", default=None, help="copy this key / column to the output (default: none)"
+    )
     parser.add_argument("--chunk-size", type=int, default=512, help="rows embedded per write")
     parser.add_argument(
         "--truncate-prompt-tokens",
@@ -196,7 +235,12 @@ def _add_embed_parser(subparsers: Any) -> None:
         action="store_true",
         help="fail on texts longer than the model's maximum instead",
     )
-    parser.add_argument("--dimensions", type=int, default=None, help="Matryoshka truncation")
+    parser.add_argument(
+        "--dimensions",
+        type=int,
+        default=None,
+        help="Matryoshka truncation (default: the model's full embedding)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="start again, do not resume")
     parser.add_argument(
         "--on-error",
@@ -211,7 +255,7 @@ def _add_embed_parser(subparsers: Any) -> None:
         action="store_true",
         help="embed a built-in sample corpus offline and print throughput",
     )
-    parser.add_argument("--num-demo-texts", type=int, default=300)
+    parser.add_argument("--num-demo-texts", type=int, default=300, help="texts --demo embeds")
     _add_ray_embed_args(parser)
     parser.set_defaults(func=cmd_embed)
 
@@ -229,9 +273,12 @@ def _add_ray_embed_args(parser: argparse.ArgumentParser) -> None:
         metavar="ADDRESS",
         default=None,
         help="run on Ray: a cluster address, 'auto' (the cluster this machine is in) or 'local'; "
-        "INPUT may be a folder or URI, OUTPUT is a folder of parquet files, one per shard",
+        "INPUT may be a folder or URI, OUTPUT is a folder of parquet files, one per shard "
+        "(default: this process, no Ray)",
     )
-    group.add_argument("--num-actors", type=int, default=None, help="engines (default: CPUs)")
+    group.add_argument(
+        "--num-actors", type=int, default=None, help="engines (default: one per CPU of the cluster)"
+    )
     group.add_argument("--cpus-per-actor", type=float, default=1.0, help="threads per engine")
     group.add_argument(
         "--rows-per-file", type=int, default=10_000, help="input rows per output file (a shard)"
@@ -354,10 +401,14 @@ def cmd_embed_ray(args: argparse.Namespace, model: str, engine_kwargs: dict[str,
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import tidepool
+
     parser = argparse.ArgumentParser(prog="tidepool", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tidepool {tidepool.__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(subparsers)
     _add_embed_parser(subparsers)
+    add_example_models_parser(subparsers)
     return parser
 
 

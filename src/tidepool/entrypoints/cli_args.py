@@ -42,37 +42,65 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         help="the model, as a flag (same as MODEL); `serve` takes it more than once to serve "
-        "several models, each on its own engine",
+        "several models, each on its own engine (default: MODEL)",
     )
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt, tokens")
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt, tokens (default: the model's own maximum)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one engine step (default: sized for the model and device)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (sampling)")
     parser.add_argument("--device", default=None, help="torch device (default: CUDA if present)")
-    parser.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate"])
-    parser.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"])
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "pooling", "generate"],
+        help="pooling (embed, classify, score) or generate; auto: from the architecture",
+    )
+    parser.add_argument(
+        "--convert",
+        default="auto",
+        choices=["auto", "embed", "classify"],
+        help="what a pooling runner makes of the model; auto: from the architecture",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the model folder's own Python code (transformers' trust_remote_code)",
+    )
     parser.add_argument(
         "--hf-overrides",
         type=json.loads,
         default=None,
-        help="JSON object of config.json keys to replace (e.g. an LLM reranker's)",
+        help="JSON object of config.json keys to replace (e.g. an LLM reranker's; default: none)",
     )
     parser.add_argument(
         "--score-template",
         default=None,
-        help="LLM rerankers: the pair prompt with {query} and {document}, a file, or a built-in",
+        help="LLM rerankers: the pair prompt with {query} and {document}, a file, or a built-in "
+        "(default: the model's own, if any)",
     )
-    parser.add_argument("--score-instruction", default=None, help="the template's {instruction}")
+    parser.add_argument(
+        "--score-instruction",
+        default=None,
+        help="the template's {instruction} (default: the built-in's)",
+    )
     parser.add_argument(
         "--pooler-config",
         type=json.loads,
         default=None,
         help="pooler options as JSON (vLLM's), e.g. '{\"enable_chunked_processing\": true, "
-        '"max_embed_len": 100000}\': inputs longer than max_model_len run in chunks',
+        '"max_embed_len": 100000}\': inputs longer than max_model_len run in chunks '
+        "(default: none, such inputs are refused)",
     )
     for flag, kind in _IGNORED_VLLM_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)

@@ -20,6 +20,9 @@ Names follow vLLM's `vllm:` style with a `tidepool:` prefix:
     tidepool:step_num_requests / step_num_tokens / step_duration_seconds   per engine step
     tidepool:engine_steps_total, engine_step_failures_total, requests_aborted_total,
     tidepool:requests_finished_total
+    tidepool:shared_work_cache_hits_total / cache_misses_total / cache_evictions_total
+    tidepool:shared_work_shared_total / computed_total    pooling inputs joined / sent to the engine
+    tidepool:shared_work_cache_entries                  results held by --embedding-cache-size
 """
 
 from __future__ import annotations
@@ -97,6 +100,41 @@ class _EngineCollector(Collector):
                 for model, engine in self.engines.items():
                     family.add_metric([model], getattr(engine.stats, attribute))
                 yield family
+        yield from _shared_work_metrics(self.engines)
+
+
+def _shared_work_metrics(engines: dict[str, AsyncEngine]) -> Iterator[Metric]:
+    """Counted per pooling input (engine/shared_work.py), on the event loop; labelled by model."""
+    counters = (
+        ("cache_hits", "Pooling inputs answered from the result cache.", "num_cache_hits"),
+        (
+            "cache_misses",
+            "Pooling inputs looked up in the result cache and not found.",
+            "num_cache_misses",
+        ),
+        (
+            "cache_evictions",
+            "Result cache entries dropped at --embedding-cache-size (least recently used).",
+            "num_cache_evictions",
+        ),
+        (
+            "shared",
+            "Pooling inputs that joined an identical one waiting or running (computed once).",
+            "num_shared",
+        ),
+        ("computed", "Pooling inputs sent to the engine.", "num_computed"),
+    )
+    for name, doc, attribute in counters:
+        family = CounterMetricFamily(f"tidepool:shared_work_{name}", doc, labels=["model"])
+        for model, engine in engines.items():
+            family.add_metric([model], getattr(engine.shared_work.stats, attribute))
+        yield family
+    entries = GaugeMetricFamily(
+        "tidepool:shared_work_cache_entries", "Results held in the result cache.", labels=["model"]
+    )
+    for model, engine in engines.items():
+        entries.add_metric([model], engine.shared_work.num_cached)
+    yield entries
 
 
 class ServerMetrics:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
+from pydantic import BaseModel
 
 from tidepool.engine.async_engine import AsyncEngine
 from tidepool.engine.pooling import (
@@ -29,7 +29,6 @@ from tidepool.engine.prompts import check_prompt_name
 from tidepool.entrypoints.openai import protocol as p
 from tidepool.entrypoints.openai.encodings import (
     EmbeddingCalibration,
-    encode_values,
     needs_ranges,
 )
 from tidepool.entrypoints.openai.errors import ApiError
@@ -39,14 +38,20 @@ from tidepool.entrypoints.openai.inputs import (
     parse_prompts,
     parse_texts,
 )
+from tidepool.entrypoints.openai.responses import (
+    EmbeddingResponse,
+    PoolingResponse,
+    response_of,
+    vectors_of,
+)
 from tidepool.entrypoints.openai.serving_sparse import (
-    sparse_pooling_data,
     token_classification_data,
 )
 from tidepool.outputs import BatchInputError, PoolingRequestOutput
 from tidepool.params import PoolingParams
 
 T = TypeVar("T")
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -56,19 +61,6 @@ class ServingLimits:
 
 
 # ---------------------------------------------------------------------- output helpers
-
-
-def pooling_data(
-    values: torch.Tensor,
-    encoding_format: str,
-    embed_dtype: str,
-    ranges: np.ndarray | None,
-    endianness: str,
-) -> list[Any] | str:
-    """A /pooling `data` item: the encoded values, or a sparse output's index / value pairs."""
-    if values.is_sparse:
-        return sparse_pooling_data(values, encoding_format)
-    return encode_values(values, encoding_format, embed_dtype, ranges, endianness)
 
 
 def _usage(outputs: list[PoolingRequestOutput]) -> p.UsageInfo:
@@ -177,15 +169,18 @@ class OpenAIServing:
             prompt_name=req.prompt_name,
         )
         data = [
-            p.EmbeddingResponseData(
-                index=i,
-                embedding=encode_values(
-                    o.outputs.data, req.encoding_format, req.embed_dtype, ranges, req.endianness
-                ),
+            {"index": i, "embedding": vector}
+            for i, vector in enumerate(
+                vectors_of(outputs, req.encoding_format, req.embed_dtype, ranges, req.endianness)
             )
-            for i, o in enumerate(outputs)
         ]
-        return p.EmbeddingResponse(model=model, data=data, usage=_usage(outputs))
+        return response_of(
+            EmbeddingResponse,
+            p.EmbeddingResponseData,
+            model=model,
+            data=data,
+            usage=_usage(outputs),
+        )
 
     async def pool(self, req: p.PoolingRequest) -> p.PoolingResponse:
         model = self.model_name(req.model)
@@ -202,15 +197,14 @@ class OpenAIServing:
             prompt_name=req.prompt_name,
         )
         data = [
-            p.PoolingResponseData(
-                index=i,
-                data=pooling_data(
-                    o.outputs.data, req.encoding_format, req.embed_dtype, ranges, req.endianness
-                ),
+            {"index": i, "data": vector}
+            for i, vector in enumerate(
+                vectors_of(outputs, req.encoding_format, req.embed_dtype, ranges, req.endianness)
             )
-            for i, o in enumerate(outputs)
         ]
-        return p.PoolingResponse(model=model, data=data, usage=_usage(outputs))
+        return response_of(
+            PoolingResponse, p.PoolingResponseData, model=model, data=data, usage=_usage(outputs)
+        )
 
     # ------------------------------------------------------------------ classify
 

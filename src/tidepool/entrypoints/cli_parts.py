@@ -1,0 +1,96 @@
+"""Parts of the `tidepool` command kept beside cli.py: the help formatter (each flag's default),
+the warning before `serve` exposes an unprotected server, the shared-work flags of `serve`, and
+the `example-models` subcommand."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from tidepool.engine.shared_work import SharedWorkOptions
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's help ends with its default, unless the text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        if action.nargs == 0 and action.default is False:  # a switch
+            return f"{text} (default: off)"
+        return super()._get_help_string(action)
+
+
+def add_shared_work_args(parser: argparse.ArgumentParser) -> None:
+    """Shared work between pooling requests (engine/shared_work.py; docs/server.md)."""
+    parser.add_argument(
+        "--embedding-cache-size",
+        type=_non_negative_int,
+        default=0,
+        help="keep this many pooling results (LRU; one per distinct token ids + parameters) "
+        "and answer repeats from it; 0 = no cache",
+    )
+    parser.add_argument(
+        "--disable-shared-work",
+        action="store_true",
+        help="compute every pooling input, even one identical to an input waiting or running",
+    )
+
+
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    return number
+
+
+def shared_work_options(args: argparse.Namespace) -> SharedWorkOptions:
+    return SharedWorkOptions(
+        share_in_flight=not args.disable_shared_work, cache_size=args.embedding_cache_size
+    )
+
+
+ALL_INTERFACES = ("", "0.0.0.0", "::", "[::]")
+
+
+def exposure_warning(host: str | None, api_key: str | None) -> str | None:
+    """What `serve` warns about before it binds, if anything: every interface and no key."""
+    if api_key or (host is not None and host not in ALL_INTERFACES):
+        return None
+    shown = host or "0.0.0.0"
+    return (
+        f"binding all interfaces ({shown}) without --api-key: anyone who can reach this machine "
+        "can use the server; pass --host 127.0.0.1 to serve this machine only, or --api-key KEY"
+    )
+
+
+def add_example_models_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "example-models",
+        formatter_class=HelpFormatter,
+        help="build tiny models with RANDOM weights, offline, for trying the API",
+        description="Build a tiny cross-encoder (BertForSequenceClassification, one label) with "
+        "random weights (fixed seed) and the bundled model's tokenizer into "
+        "FOLDER/cross-encoder-seedSEED. "
+        "Its scores mean nothing: it is for trying LLM.score, /score and /rerank without a "
+        "download.",
+    )
+    parser.add_argument(
+        "folder",
+        nargs="?",
+        type=Path,
+        default=None,
+        help="where to build them (default: tidepool's cache folder, ~/.cache/tidepool/examples)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.set_defaults(func=cmd_example_models)
+
+
+def cmd_example_models(args: argparse.Namespace) -> int:
+    from tidepool.examples import example_cross_encoder
+
+    path = example_cross_encoder(args.folder, seed=args.seed)
+    print(f"{path}  (random weights: for trying the API, its scores mean nothing)")
+    return 0
