@@ -111,8 +111,15 @@ def _run_in_child(llm, job: EmbedJob, point: str | None, count: int, sleep_s: fl
     status = 3
     try:
         import faulthandler
+        import threading
 
         import torch
+        from tqdm import tqdm
+
+        # tqdm's write lock is a multiprocessing lock shared with the parent across the fork: a
+        # child killed while holding it (tqdm takes it to create a bar) would leave the parent's
+        # next bar waiting forever. The child takes a lock of its own.
+        tqdm.set_lock(threading.RLock())
 
         # A child that hangs says where, on stderr, and ends before the parent gives up on it.
         faulthandler.dump_traceback_later(CHILD_TIMEOUT_S / 2, exit=True, file=sys.__stderr__)

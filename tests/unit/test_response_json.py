@@ -1,4 +1,4 @@
-"""The embedding and pooling responses written with orjson from arrays (serving.py) hold the same
+"""The embedding and pooling responses written with orjson from arrays (responses.py) hold the same
 JSON as pydantic writes from float lists: same fields in the same order, the same numbers."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from tidepool.entrypoints.openai import serving
+from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai import responses, serving
 from tidepool.outputs import PoolingOutput, PoolingRequestOutput
 
 
@@ -22,12 +23,12 @@ def _outputs(shapes: list[tuple[int, ...]]) -> list[PoolingRequestOutput]:
 
 def _write(outputs: list[PoolingRequestOutput], kind: str) -> dict:
     response_type, item_type, field = {
-        "embedding": (serving.EmbeddingResponse, serving.p.EmbeddingResponseData, "embedding"),
-        "pooling": (serving.PoolingResponse, serving.p.PoolingResponseData, "data"),
+        "embedding": (responses.EmbeddingResponse, p.EmbeddingResponseData, "embedding"),
+        "pooling": (responses.PoolingResponse, p.PoolingResponseData, "data"),
     }[kind]
-    vectors = serving._vectors(outputs, "float")
+    vectors = responses.vectors_of(outputs, "float", "float32", None, "native")
     data = [{"index": i, field: v} for i, v in enumerate(vectors)]
-    response = serving._response(
+    response = responses.response_of(
         response_type, item_type, model="m", data=data, usage=serving._usage(outputs)
     )
     body = json.loads(response.model_dump_json())
@@ -43,7 +44,7 @@ def test_orjson_writes_what_pydantic_writes(kind: str, shapes, monkeypatch) -> N
     pytest.importorskip("orjson")
     outputs = _outputs(shapes)
     fast = _write(outputs, kind)
-    monkeypatch.setattr(serving, "orjson", None)
+    monkeypatch.setattr(responses, "orjson", None)
     plain = _write(outputs, kind)
     assert json.dumps(fast) == json.dumps(plain)  # also the order of the fields
     first = plain["data"][0]["embedding" if kind == "embedding" else "data"]
