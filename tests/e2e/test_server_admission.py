@@ -29,6 +29,9 @@ from tidepool.entrypoints.openai.server import ServerArgs, build_app
 
 TEXTS = [f"text number {i} about admission control" for i in range(20)]
 TOKENS_40 = "word " * 38  # 38 words + [CLS] + [SEP]: 40 tokens with MiniLM's tokenizer
+# Another 40-token text: an identical one would join the first's computation (shared work,
+# engine/shared_work.py) and queue no tokens of its own.
+OTHER_40 = "tide " * 38
 
 
 def slow_steps(monkeypatch: pytest.MonkeyPatch, engine: AsyncEngine, seconds: float) -> None:
@@ -159,10 +162,10 @@ def test_queued_tokens_limit_429_and_413(token_server, monkeypatch) -> None:
     slow_steps(monkeypatch, engine, 0.5)
     answers, thread = _in_background(f"{server.url}/v1/embeddings", {"input": TOKENS_40})
     wait_until(lambda: admission.num_queued_tokens == 40)
-    refused = httpx.post(f"{server.url}/v1/embeddings", json={"input": TOKENS_40})
+    refused = httpx.post(f"{server.url}/v1/embeddings", json={"input": OTHER_40})
     assert_error(refused, 429, "--max-queued-tokens")
     assert refused.headers["retry-after"] == "1"
-    too_big = httpx.post(f"{server.url}/v1/embeddings", json={"input": [TOKENS_40, TOKENS_40]})
+    too_big = httpx.post(f"{server.url}/v1/embeddings", json={"input": [OTHER_40, "tide " * 39]})
     assert_error(too_big, 413, "more than this server queues at once (64")
     thread.join(30)  # type: ignore[attr-defined]
     assert answers[0].status_code == 200
