@@ -247,21 +247,22 @@ class XLMRobertaModel(RobertaModel):
     pass
 
 
-class BertForSequenceClassification(nn.Module):
-    """A BERT cross-encoder: CLS → pooler dense + tanh → classifier (an EncoderModel and a
-    ClassifierHead, models/interfaces.py)."""
+class EncoderWithHead(nn.Module):
+    """An encoder body plus a head (sequence or token classifier, MLM, projections): the
+    EncoderModel members delegate to the body; subclasses add the head's layers, name them in
+    `head_names` and give `compute_logits` (or the head's own outputs)."""
 
-    body_cls = BertModel
+    body_cls: ClassVar[type[nn.Module]]
     is_causal: ClassVar[bool] = False
     default_pooling_type = "CLS"
     supports_first_token_only = True
+    head_names: ClassVar[dict[str, str]] = {}
+    """Checkpoint name → our head parameter name."""
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.body = self.body_cls(config)
-        self.pooler_dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
     @property
     def attention_backend(self) -> EncoderAttentionBackend:
@@ -283,25 +284,37 @@ class BertForSequenceClassification(nn.Module):
     ) -> torch.Tensor:
         return self.body(input_ids, positions, attn_metadata, token_type_ids, first_token_only)
 
-    def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
-        """pooled: [num_seqs, hidden] (the CLS states) → [num_seqs, num_labels]."""
-        return self.classifier(torch.tanh(self.pooler_dense(pooled)))
-
-    _head_names = {
-        "bert.pooler.dense.weight": "pooler_dense.weight",
-        "bert.pooler.dense.bias": "pooler_dense.bias",
-        "classifier.weight": "classifier.weight",
-        "classifier.bias": "classifier.bias",
-    }
-
     def map_weight_name(self, name: str) -> str | None:
-        if name in self._head_names:
-            return self._head_names[name]
+        if name in self.head_names:
+            return self.head_names[name]
         mapped = self.body.map_weight_name(name)
         return None if mapped is None else "body." + mapped
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+
+
+class BertForSequenceClassification(EncoderWithHead):
+    """A BERT cross-encoder: CLS → pooler dense + tanh → classifier (an EncoderModel and a
+    ClassifierHead, models/interfaces.py)."""
+
+    body_cls = BertModel
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.pooler_dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        """pooled: [num_seqs, hidden] (the CLS states) → [num_seqs, num_labels]."""
+        return self.classifier(torch.tanh(self.pooler_dense(pooled)))
+
+    head_names = {
+        "bert.pooler.dense.weight": "pooler_dense.weight",
+        "bert.pooler.dense.bias": "pooler_dense.bias",
+        "classifier.weight": "classifier.weight",
+        "classifier.bias": "classifier.bias",
+    }
 
 
 class RobertaForSequenceClassification(BertForSequenceClassification):
@@ -310,16 +323,14 @@ class RobertaForSequenceClassification(BertForSequenceClassification):
     body_cls = RobertaModel
 
     def __init__(self, config) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.body = self.body_cls(config)
+        EncoderWithHead.__init__(self, config)
         self.classifier_dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.out_proj(torch.tanh(self.classifier_dense(pooled)))
 
-    _head_names = {
+    head_names = {
         "classifier.dense.weight": "classifier_dense.weight",
         "classifier.dense.bias": "classifier_dense.bias",
         "classifier.out_proj.weight": "out_proj.weight",

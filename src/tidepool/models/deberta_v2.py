@@ -28,7 +28,7 @@ from torch import nn
 
 from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
 from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata, pad_buckets
-from tidepool.models.bert import BertDenseLayerNorm, BertIntermediate
+from tidepool.models.bert import BertDenseLayerNorm, BertIntermediate, EncoderWithHead
 from tidepool.models.layers.activation import get_activation
 from tidepool.models.layers.linear import Linear
 from tidepool.models.weights import load_fused_weights
@@ -311,59 +311,30 @@ class DebertaV2Model(nn.Module):
         return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
 
 
-class DebertaV2ForSequenceClassification(nn.Module):
+class DebertaV2ForSequenceClassification(EncoderWithHead):
     """A DeBERTa cross-encoder: first token → ContextPooler (dense → pooler_hidden_act) →
     classifier (an EncoderModel and a ClassifierHead)."""
 
-    is_causal: ClassVar[bool] = False
-    default_pooling_type = "CLS"
-    supports_first_token_only = False
+    body_cls = DebertaV2Model
+    supports_first_token_only = False  # no CLS-only last layer yet
 
     def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
-        self.body = DebertaV2Model(config)
+        super().__init__(config)
         pooler_size = getattr(config, "pooler_hidden_size", None) or config.hidden_size
         self.pooler_dense = nn.Linear(pooler_size, pooler_size)
         self.pooler_act = get_activation(getattr(config, "pooler_hidden_act", "gelu"))
         self.classifier = nn.Linear(pooler_size, config.num_labels)
 
-    @property
-    def attention_backend(self) -> EncoderAttentionBackend:
-        return self.body.attention_backend
-
-    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
-        return self.body.attention_spec(device, dtype)
-
-    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
-        self.body.set_attention_backend(backend)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: EncoderAttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
-        first_token_only: bool = False,
-    ) -> torch.Tensor:
-        return self.body(input_ids, positions, attn_metadata, token_type_ids, first_token_only)
-
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         """pooled: [num_seqs, hidden] (the first tokens' states) → [num_seqs, num_labels]."""
         return self.classifier(self.pooler_act(self.pooler_dense(pooled)))
 
-    _head_names = {
+    head_names = {
         "pooler.dense.weight": "pooler_dense.weight",
         "pooler.dense.bias": "pooler_dense.bias",
         "classifier.weight": "classifier.weight",
         "classifier.bias": "classifier.bias",
     }
-
-    def map_weight_name(self, name: str) -> str | None:
-        if name in self._head_names:
-            return self._head_names[name]
-        mapped = self.body.map_weight_name(name)
-        return None if mapped is None else "body." + mapped
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)

@@ -168,7 +168,7 @@ class MPNetForSequenceClassification(BertForSequenceClassification):
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.out_proj(torch.tanh(self.classifier_dense(pooled)))
 
-    _head_names = {
+    head_names = {
         "classifier.dense.weight": "classifier_dense.weight",
         "classifier.dense.bias": "classifier_dense.bias",
         "classifier.out_proj.weight": "out_proj.weight",
