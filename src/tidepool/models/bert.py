@@ -252,7 +252,7 @@ class EncoderWithHead(nn.Module):
     EncoderModel members delegate to the body; subclasses add the head's layers, name them in
     `head_names` and give `compute_logits` (or the head's own outputs)."""
 
-    body_cls: ClassVar[type[nn.Module]]
+    body_cls: ClassVar[type[nn.Module]] = BertModel
     is_causal: ClassVar[bool] = False
     default_pooling_type = "CLS"
     supports_first_token_only = True

@@ -18,16 +18,19 @@ sets `num_labels`; the LM head itself is never built, so a reranker step costs a
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from torch import nn
 
-from tidepool.attention.backend import AttentionSpec, DecoderAttentionBackend
-from tidepool.attention.paged_metadata import PagedAttentionMetadata
-from tidepool.kv_cache.spec import KVCacheSpec
 from tidepool.models.layers.linear import Linear
-from tidepool.models.llama import _STACKED, LlamaModel, MistralModel, Qwen2Model, Qwen3Model
+from tidepool.models.llama import (
+    _STACKED,
+    DecoderWithHead,
+    LlamaModel,
+    MistralModel,
+    Qwen2Model,
+    Qwen3Model,
+)
 from tidepool.models.llama import _shard_sizes as shard_sizes
 from tidepool.models.weights import load_fused_weights
 
@@ -42,45 +45,17 @@ def head_from_token_rows(rows: torch.Tensor, method: str) -> torch.Tensor:
     return rows
 
 
-class CausalForSequenceClassification(nn.Module):
+class CausalForSequenceClassification(DecoderWithHead):
     """A DecoderModel with a ClassifierHead (models/interfaces.py)."""
 
-    is_causal: ClassVar[bool] = True
-    default_pooling_type: ClassVar[str] = "LAST"
-    body_cls: ClassVar[type[LlamaModel]] = LlamaModel
-
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        self.model = self.body_cls(config)
+        super().__init__(config)
         self.score = Linear(config.hidden_size, int(config.num_labels), bias=False)
         self.from_token_ids: tuple[int, ...] = tuple(
             getattr(config, "classifier_from_token_ids", None) or ()
         )
         """LM-head rows the head is built from; empty: the checkpoint has score.weight."""
         self.from_token_method = str(getattr(config, "classifier_method", "no_post_processing"))
-
-    @property
-    def attention_backend(self) -> DecoderAttentionBackend:
-        return self.model.attention_backend
-
-    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
-        return self.model.attention_spec(device, dtype)
-
-    def set_attention_backend(self, backend: DecoderAttentionBackend) -> None:
-        self.model.set_attention_backend(backend)
-
-    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
-        return self.model.kv_cache_specs(block_size, dtype)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: PagedAttentionMetadata,
-        kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
 
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         """pooled [num_seqs, hidden] (the last tokens) → float32 logits [num_seqs, num_labels]."""

@@ -14,23 +14,18 @@ multi-vector requests of the same step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidepool.attention.backend import AttentionSpec, EncoderAttentionBackend
-from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.models.bert import (
-    _QKV,
-    BertModel,
+    EncoderWithHead,
     RobertaModel,
     XLMRobertaModel,
-    _qkv_thirds,
 )
-from tidepool.models.weights import load_fused_weights
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -39,55 +34,10 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class _EncoderWithHead(nn.Module):
-    """A BERT-family body plus a head: the EncoderModel members delegate to the body."""
-
-    body_cls: ClassVar[type[BertModel]] = BertModel
-    is_causal: ClassVar[bool] = False
-    default_pooling_type = "CLS"
-    supports_first_token_only = True
-    head_names: ClassVar[dict[str, str]] = {}
-    """Checkpoint name → our head parameter name."""
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
-        self.body = self.body_cls(config)
-
-    @property
-    def attention_backend(self) -> EncoderAttentionBackend:
-        return self.body.attention_backend
-
-    def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
-        return self.body.attention_spec(device, dtype)
-
-    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
-        self.body.set_attention_backend(backend)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: EncoderAttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
-        first_token_only: bool = False,
-    ) -> torch.Tensor:
-        return self.body(input_ids, positions, attn_metadata, token_type_ids, first_token_only)
-
-    def map_weight_name(self, name: str) -> str | None:
-        if name in self.head_names:
-            return self.head_names[name]
-        mapped = self.body.map_weight_name(name)
-        return None if mapped is None else "body." + mapped
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
-
-
 # ----------------------------------------------------------------------------- masked LM
 
 
-class BertForMaskedLM(_EncoderWithHead):
+class BertForMaskedLM(EncoderWithHead):
     """BERT's MLM head: dense → activation → LayerNorm → decoder (tied to the word embeddings
     unless the config unties them) + bias. A SPLADE model (a VocabLogitsHead)."""
 
@@ -154,7 +104,7 @@ class XLMRobertaForMaskedLM(RobertaForMaskedLM):
 # ----------------------------------------------------------------------------- BGE-M3
 
 
-class BgeM3EmbeddingModel(_EncoderWithHead):
+class BgeM3EmbeddingModel(EncoderWithHead):
     """BGE-M3 (vLLM's name): an XLM-R body, dense = its CLS state; `sparse_linear` (hidden → 1)
     and `colbert_linear` (hidden → hidden) from FlagEmbedding's files beside the checkpoint."""
 
@@ -186,7 +136,7 @@ class BgeM3EmbeddingModel(_EncoderWithHead):
 # ----------------------------------------------------------------------------- token classifiers
 
 
-class BertForTokenClassification(_EncoderWithHead):
+class BertForTokenClassification(EncoderWithHead):
     """A per-token classifier: token state → classifier (dropout is identity at inference)."""
 
     head_names = {"classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}

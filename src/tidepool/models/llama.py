@@ -236,9 +236,9 @@ class LlamaModel(nn.Module):
         return load_fused_weights(self, weights, self.map_weight_name, _STACKED, _shard_sizes)
 
 
-class LlamaForCausalLM(nn.Module):
-    """The body plus the language-model head (tied to the embeddings when the config says so):
-    a DecoderModel and a LanguageModelHead (models/interfaces.py)."""
+class DecoderWithHead(nn.Module):
+    """A decoder body (`model`, named as in the checkpoints) plus a head on its last hidden
+    states: the DecoderModel members delegate to the body; subclasses add the head."""
 
     is_causal: ClassVar[bool] = True
     default_pooling_type: ClassVar[str] = "LAST"
@@ -248,13 +248,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.body_cls(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self._tie()
-
-    def _tie(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def attention_backend(self) -> DecoderAttentionBackend:
@@ -277,6 +270,21 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata, kv_caches)
+
+
+class LlamaForCausalLM(DecoderWithHead):
+    """The body plus the language-model head (tied to the embeddings when the config says so):
+    a DecoderModel and a LanguageModelHead (models/interfaces.py)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self._tie()
+
+    def _tie(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_seqs, hidden] → float32 logits [num_seqs, vocab]."""
