@@ -83,6 +83,12 @@ class RssCurve:
     def record(self, num_done: int, rss_bytes: int | None) -> None:
         if rss_bytes is not None:
             self.samples.append((num_done, rss_bytes / 2**20))
+            # printed as it goes, so a long soak can be read (and its curve kept) while it runs
+            print(
+                f"{num_done:>7} requests  RSS {rss_bytes / 2**20:8.1f} MiB  "
+                f"ok {self.num_ok} refused {self.num_refused} unexpected {self.num_unexpected}",
+                flush=True,
+            )
 
     def report(self, warmup_requests: int, seconds: float) -> str:
         after_warmup = next((mib for n, mib in self.samples if n >= warmup_requests), None)
