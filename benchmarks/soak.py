@@ -71,7 +71,9 @@ def make_request(rng: random.Random, bad_fraction: float = 0.1) -> SoakRequest:
     if rng.random() >= bad_fraction:
         return SoakRequest(texts, None)
     kind = rng.choice(BAD_KINDS)
-    bad_value = {"empty": "", "too_long": " ".join(["soak"] * 2000), "wrong_type": 12345}[kind]
+    # wrong_type is an object: a bare integer would be valid when it is the only item ([12345] is
+    # a prompt of token ids in the OpenAI API), which the first 20,000-request run counted wrong
+    bad_value = {"empty": "", "too_long": " ".join(["soak"] * 2000), "wrong_type": {"n": 1}}[kind]
     texts[rng.randrange(len(texts))] = bad_value
     return SoakRequest(texts, kind)
 
@@ -219,6 +221,11 @@ async def _client(client, url: str, queue: asyncio.Queue, curve: RssCurve, deadl
             curve.num_refused += 1
         else:
             curve.num_unexpected += 1
+            print(
+                f"unexpected: {response.status_code} for a request with bad={request.bad}: "
+                f"{response.text[:300]}",
+                flush=True,
+            )
 
 
 async def _soak_server(url: str, pid: int, args: argparse.Namespace, curve: RssCurve) -> None:
