@@ -211,6 +211,20 @@ def test_batch_invariance(gemma_llm):
         assert (batched - alone).abs().max() <= ATOL, backend.name
 
 
+def test_transformers_backend_matches_too(gemma_st):
+    """model_impl="transformers" runs the HF modules with tidepool's attention, bidirectionally."""
+    llm = LLM(str(gemma_st[0]), device="cpu", dtype="float32", model_impl="transformers")
+    assert llm.model_config.architecture == "Gemma3TextModel" and not llm.model_config.is_causal
+    expected = torch.from_numpy(gemma_st[1].encode(TEXTS, prompt_name="query"))
+    got = _embed(llm, TEXTS, prompt_name="query")
+    assert F.cosine_similarity(got, expected).min() >= 0.99999
+
+
+def test_generate_runner_is_refused(gemma_st):
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True.*as an encoder"):
+        LLM(str(gemma_st[0]), device="cpu", runner="generate")
+
+
 def test_causal_gemma3_checkpoint_stays_a_decoder(gemma_st, tmp_path):
     """The same weights without the flag: gemma.py's causal Gemma3TextModel, LAST pooling."""
     body = gemma_st[0].parent / "body"
