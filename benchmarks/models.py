@@ -8,13 +8,17 @@
               (a profile of one tidepool run: attention's position terms vs GEMMs)
     fallback  the same MPNet folder with model_impl="fallback" (the HF model as it is, padded
               buckets) vs SentenceTransformer.encode; target >= 1.0x
+    gemma     an EmbeddingGemma-shaped model, fewer layers (bidirectional Gemma3TextModel: 6
+              layers S S S S S F, hidden 768, 3 heads / 1 KV head of 256, window 512, BERT's
+              vocabulary instead of Gemma's 262k) → mean → Dense 768→3072 → Dense → Normalize:
+              tidepool native vs SentenceTransformer.encode (no target in the issue)
 
 Each section runs its sides alternately (A B A B ...), so the machine's noise hits both; the
 figure quoted is the median of the per-round ratios (> 1: tidepool faster). Wall-clock and
 process CPU seconds are both printed: on a shared machine CPU seconds are the steadier measure.
 Outputs are checked to agree. Keep runs short on a loaded machine and quote the load with them.
 
-    python benchmarks/models.py [--sections mpnet,deberta,fallback] [--texts 128] [--rounds 3]
+    python benchmarks/models.py [--sections mpnet,deberta,fallback,gemma] [--texts 128] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -110,6 +114,48 @@ def build_deberta(root: Path) -> Path:
     return folder
 
 
+def build_embedding_gemma(root: Path) -> Path:
+    """A sentence-transformers folder saved by sentence-transformers, as embeddinggemma-300m."""
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Dense,
+        Normalize,
+        Pooling,
+        Transformer,
+    )
+
+    body, folder = root / "gemma-body", root / "gemma"
+    body.mkdir()
+    _tokenizer_into(body)
+    torch.manual_seed(2)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=BASE["vocab_size"],
+        hidden_size=768,
+        intermediate_size=1152,
+        num_hidden_layers=6,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        max_position_embeddings=2048,
+        use_bidirectional_attention=True,
+        pad_token_id=0,
+    )
+    transformers.Gemma3TextModel(config).eval().save_pretrained(str(body))
+    identity = torch.nn.Identity()
+    modules = [
+        Transformer(str(body), max_seq_length=512),
+        Pooling(768, "mean"),
+        Dense(768, 3072, bias=False, activation_function=identity),
+        Dense(3072, 768, bias=False, activation_function=identity),
+        Normalize(),
+    ]
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder
+
+
 def alternate(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[tuple]]:
     """(wall seconds, CPU seconds) of each run per round, the runs alternating."""
     times: dict[str, list[tuple]] = {name: [] for name in runs}
@@ -134,7 +180,9 @@ def report(amount: int, unit: str, times: dict[str, list[tuple]], ours: str, the
     return amount / min(w for w, _ in times[ours])
 
 
-def section_embed(folder: Path, texts: list[str], rounds: int, model_impl: str) -> None:
+def section_embed(
+    folder: Path, texts: list[str], rounds: int, model_impl: str, with_roofline: bool = True
+) -> None:
     from sentence_transformers import SentenceTransformer
 
     from tidepool import LLM
@@ -156,7 +204,7 @@ def section_embed(folder: Path, texts: list[str], rounds: int, model_impl: str) 
         rounds,
     )
     tokens_per_s = report(num_tokens, "tokens", times, name, "sentence-transformers")
-    if model_impl == "native":
+    if model_impl == "native" and with_roofline:
         shape = EncoderShape.from_hf_config(llm.model_config.hf_config)
         ceiling = roofline(shape, torch.float32, num_tokens / len(texts))["tokens_per_s"]
         print(f"  GEMM roofline {ceiling:.0f} tokens/s: tidepool at {tokens_per_s / ceiling:.0%}")
@@ -192,7 +240,7 @@ def section_deberta(folder: Path, texts: list[str], rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", default="mpnet,deberta,fallback")
+    parser.add_argument("--sections", default="mpnet,deberta,fallback,gemma")
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -217,6 +265,9 @@ def main() -> None:
         if "fallback" in sections:
             print("fallback (the MPNet folder, model_impl='fallback'), embed:")
             section_embed(mpnet, texts, args.rounds, "fallback")
+        if "gemma" in sections:
+            print("gemma (EmbeddingGemma shape, 6 layers), embed:")
+            section_embed(build_embedding_gemma(root), texts, args.rounds, "native", False)
 
 
 if __name__ == "__main__":

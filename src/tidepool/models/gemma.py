@@ -110,7 +110,8 @@ def _check_causal(config: Any) -> None:
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(
             f"{type(config).__name__} has use_bidirectional_attention=True (an encoder such as "
-            "EmbeddingGemma); tidepool's Gemma runs causal decoders only"
+            "EmbeddingGemma); it runs as an encoder with the pooling runner (models/gemma_embed.py), "
+            "not as a causal decoder"
         )
 
 

@@ -55,7 +55,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3TextModel": ("gemma", "Gemma3TextModel"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    # EmbeddingGemma: Gemma3TextModel with use_bidirectional_attention (see native_architecture).
+    "Gemma3TextEncoderModel": ("gemma_embed", "Gemma3TextEncoderModel"),
 }
+
+# Architectures whose checkpoints may set `use_bidirectional_attention` (a decoder trained as an
+# encoder): with the flag the native model is this registered encoder, run without a KV cache.
+_BIDIRECTIONAL_VARIANTS: dict[str, str] = {"Gemma3TextModel": "Gemma3TextEncoderModel"}
 
 
 MODEL_IMPLS = ("auto", "native", "transformers", "fallback")
@@ -85,6 +91,14 @@ def has_implementation(architecture: str, model_impl: str) -> bool:
     from tidepool.models.transformers_backend import has_hf_class
 
     return has_hf_class(architecture)
+
+
+def native_architecture(architecture: str, hf_config: object) -> str:
+    """The registered architecture that runs `architecture` with this config natively: its
+    bidirectional variant when the config asks for one, else itself."""
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        return _BIDIRECTIONAL_VARIANTS.get(architecture, architecture)
+    return architecture
 
 
 def supported_architectures() -> list[str]:

@@ -22,7 +22,12 @@ from tidepool import envs
 from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
 from tidepool.models.colbert import COLBERT_IR_ARCHITECTURES, load_multi_vector
 from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
-from tidepool.models.registry import get_model_class, has_implementation, resolve_model_impl
+from tidepool.models.registry import (
+    get_model_class,
+    has_implementation,
+    native_architecture,
+    resolve_model_impl,
+)
 
 RUNNERS = ("auto", "pooling", "generate")
 CONVERTS = ("auto", "embed", "classify")
@@ -131,6 +136,8 @@ def resolve_model(
     head = _output_head(checkpoint_arch, task, arch, path, convert, model_impl)
     if head is not None:
         task, arch = head.task, head.architecture
+    if model_impl in ("auto", "native") and task != "generate":
+        arch = native_architecture(arch, hf_config)  # EmbeddingGemma: the encoder variant
     impl = resolve_model_impl(arch, model_impl)
     output_head = "task" if head is None else head.output_head
     sparse = None if head is None else head.sparse
