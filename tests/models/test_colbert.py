@@ -320,6 +320,9 @@ def test_bad_inputs(colbert_llm, minilm_llm):
         llm.score(QUERIES[0], [DOCUMENTS[0], "", DOCUMENTS[1]], use_tqdm=False)
     assert [e.index for e in info.value.errors] == [1]
     assert info.value.outputs[0] is not None and info.value.outputs[2] is not None
+    # Its score sides are query and document already: other roles are refused.
+    with pytest.raises(ValueError, match="scores data_1 as queries"):
+        llm.score(QUERIES[0], DOCUMENTS, prompt_name="document", use_tqdm=False)
     # No multi-vector scoring on a dense model: it scores by cosine, and token_embed with a
     # ColBERT prompt name is refused.
     with pytest.raises(ValueError, match="unknown prompt_name 'query'"):

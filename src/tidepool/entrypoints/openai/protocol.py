@@ -170,6 +170,9 @@ class EmbedSparseRequest(OpenAIBaseModel):
     model: Str | None = None
     max_active_dims: Int | None = None
     """Keep the largest this many weights of each input (sentence-transformers' name)."""
+    prompt_name: Str | None = None
+    """One of the model's prompts put before each text (TEI's field, as on /embed); None: its
+    default_prompt_name."""
 
 
 class SparseValue(OpenAIBaseModel):

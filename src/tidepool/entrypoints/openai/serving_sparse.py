@@ -1,7 +1,7 @@
 """Outputs beyond one vector per input: TEI's /embed_sparse, sparse and per-token data on
 /pooling, and per-token labels on /classify (token classification models).
 
-    /embed_sparse  {"inputs": "text" | [...], "truncate": false}
+    /embed_sparse  {"inputs": "text" | [...], "truncate": false, "prompt_name": null}
                    → [[{"index": token id, "value": weight}, ...], ...]   (TEI's shape)
     /pooling       task "embed_sparse" → data [{"index", "value"}, ...] per input;
                    task "token_classify" → data [num_tokens][num_labels] per input (vLLM's)
@@ -75,6 +75,7 @@ class OpenAIServingSparse:
             task="embed_sparse",
             truncate_prompt_tokens=-1 if req.truncate else None,
             max_active_dims=req.max_active_dims,
+            prompt_name=req.prompt_name,
             param="inputs",
         )
         return p.EmbedSparseResponse([sparse_values(o.outputs.data) for o in outputs])
