@@ -131,8 +131,9 @@ def _make_bucket(
     lens_t = torch.tensor(lens, dtype=torch.int64)
     slot = torch.arange(max_len, dtype=torch.int64)
     valid = slot[None, :] < lens_t[:, None]  # [num_seqs, max_len]
-    key_lens_t = lens_t if key_lens is None else torch.tensor(key_lens, dtype=torch.int64)
-    keys = slot[None, :] < key_lens_t[:, None]  # [num_seqs, max_len]: within the key count
+    keys = valid  # [num_seqs, max_len]: the slots within their sequence's key count
+    if fewer_keys:
+        keys = slot[None, :] < torch.tensor(key_lens, dtype=torch.int64)[:, None]
     key_mask = keys.view(num_seqs, 1, 1, max_len)
     key_bias = None
     if dtype is not None:
