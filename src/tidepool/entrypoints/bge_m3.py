@@ -21,7 +21,7 @@ as FlagEmbedding truncates. Each text runs once per output (three requests).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -55,7 +55,7 @@ def bge_m3_compute_score(
     if len(weights) != 3:
         raise ValueError("weights_for_different_modes takes 3 weights: dense, sparse, colbert")
     single = isinstance(sentence_pairs, tuple) and isinstance(sentence_pairs[0], str)
-    pairs = [sentence_pairs] if single else list(sentence_pairs)
+    pairs = cast(list[tuple[str, str]], [sentence_pairs] if single else list(sentence_pairs))
     queries = _outputs(llm, [q for q, _ in pairs], max_query_length, use_tqdm)
     passages = _outputs(llm, [p for _, p in pairs], max_passage_length, use_tqdm)
     scores: dict[str, list[float]] = {name: [] for name in ("colbert", "sparse", "dense")}
