@@ -263,7 +263,9 @@ struct View {
   int64_t row, head, heads;
 };
 
-template <typename T, int64_t D>
+// kKeyLens: whether key_lens is given; a template argument, so that the default path compiles to
+// the code it had before key counts existed.
+template <typename T, int64_t D, bool kKeyLens>
 void run(View q, View k, View v, const at::Tensor& starts, const at::Tensor& lens,
          const at::Tensor& out_starts, bool first_only, double scale, const float* bias,
          int64_t bias_width, const int64_t* key_lens, at::Tensor& out) {
@@ -291,7 +293,7 @@ void run(View q, View k, View v, const at::Tensor& starts, const at::Tensor& len
         const int64_t i = order[t / H];
         const int64_t h = t % H, kh = h / group;
         const int64_t len = ln[i], s0 = st[i];
-        const int64_t num_keys = key_lens == nullptr ? len : key_lens[i];
+        const int64_t num_keys = kKeyLens ? key_lens[i] : len;
         attend<T, D>(HeadRows<T>{qp + s0 * q.row + h * q.head, q.row},
                      HeadRows<T>{kp + s0 * k.row + kh * k.head, k.row},
                      HeadRows<T>{vp + s0 * v.row + kh * v.head, v.row}, H, num_keys,
@@ -368,20 +370,22 @@ void encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   }
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "float32 or bfloat16 only");
+#define TP_RUN(T, DIM, KEYS)                                                                  \
+  run<T, DIM, KEYS>(qv, kv, vv, starts, lens, out_starts, first_only, scale, bias_ptr,        \
+                    bias_width, key_lens_ptr, out)
 #define TP_CASE(DIM)                                                                          \
   if (D == DIM) {                                                                             \
     if (bf16)                                                                                 \
-      run<c10::BFloat16, DIM>(qv, kv, vv, starts, lens, out_starts, first_only, scale,     \
-                              bias_ptr, bias_width, key_lens_ptr, out);                     \
+      key_lens_ptr ? TP_RUN(c10::BFloat16, DIM, true) : TP_RUN(c10::BFloat16, DIM, false);    \
     else                                                                                      \
-      run<float, DIM>(qv, kv, vv, starts, lens, out_starts, first_only, scale, bias_ptr,     \
-                      bias_width, key_lens_ptr, out);                                       \
+      key_lens_ptr ? TP_RUN(float, DIM, true) : TP_RUN(float, DIM, false);                    \
     return;                                                                                   \
   }
   TP_CASE(32)
   TP_CASE(64)
   TP_CASE(128)
 #undef TP_CASE
+#undef TP_RUN
   TORCH_CHECK(false, "head_dim must be 32, 64 or 128, got ", D);
 }
 
