@@ -7,9 +7,11 @@ downloaded. pylate itself cannot be installed next to this project's sentence-tr
 it imports, `--pylate` runs pylate.models.ColBERT on the same folder instead of the reference.
 
 Both sides run alternately (A B A B ...); the ratio quoted is the median of per-round ratios.
-Vectors are checked to agree (cosine per token vector).
+Vectors are checked to agree (cosine per token vector). `--queries` encodes the texts as queries
+instead (marker [unused0], [MASK] expansion to 32 tokens, not attended to: colbert-ir's default,
+so tidepool's per-sequence key counts run).
 
-    python benchmarks/colbert.py [--docs 500] [--rounds 3] [--batch-size 32] [--pylate]
+    python benchmarks/colbert.py [--docs 500] [--rounds 3] [--batch-size 32] [--pylate] [--queries]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from corpus import make_corpus  # noqa: E402
 
 DOC_LENGTH = 180
+QUERY_LENGTH = 32
 DIM = 128
 
 
@@ -61,7 +64,7 @@ def build_colbert(folder: Path) -> Path:
     metadata = {
         "query_token_id": "[unused0]",
         "doc_token_id": "[unused1]",
-        "query_maxlen": 32,
+        "query_maxlen": QUERY_LENGTH,
         "doc_maxlen": DOC_LENGTH,
         "mask_punctuation": True,
     }
@@ -79,26 +82,33 @@ class Reference:
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self.body = BertModel.from_pretrained(str(folder), add_pooling_layer=False).eval()
         self.projection = load_file(str(folder / "model.safetensors"))["linear.weight"]
-        self.marker = self.tokenizer.convert_tokens_to_ids("[unused1]")
+        self.markers = self.tokenizer.convert_tokens_to_ids(["[unused0]", "[unused1]"])
         self.skip = torch.tensor(self.tokenizer.convert_tokens_to_ids(list(string.punctuation)))
 
     @torch.inference_mode()
-    def encode(self, texts: list[str], batch_size: int) -> list[torch.Tensor]:
+    def encode(
+        self, texts: list[str], batch_size: int, is_query: bool = False
+    ) -> list[torch.Tensor]:
         out = []
         for start in range(0, len(texts), batch_size):
             enc = self.tokenizer(
                 texts[start : start + batch_size],
                 truncation=True,
-                max_length=DOC_LENGTH - 1,
-                padding="longest",
+                max_length=(QUERY_LENGTH if is_query else DOC_LENGTH) - 1,
+                padding="max_length" if is_query else "longest",
                 return_tensors="pt",
             )
             ids, mask = enc["input_ids"], enc["attention_mask"]
-            ids = torch.cat([ids[:, :1], torch.full_like(ids[:, :1], self.marker), ids[:, 1:]], 1)
+            if is_query:  # [MASK] expansion, attention mask 0 there (attend_to_mask_tokens off)
+                ids = ids.masked_fill(~mask.bool(), self.tokenizer.mask_token_id)
+            marker = torch.full_like(ids[:, :1], self.markers[0 if is_query else 1])
+            ids = torch.cat([ids[:, :1], marker, ids[:, 1:]], 1)
             mask = torch.cat([mask[:, :1], torch.ones_like(mask[:, :1]), mask[:, 1:]], 1)
             hidden = self.body(input_ids=ids, attention_mask=mask).last_hidden_state
             vectors = hidden @ self.projection.T
-            keep = mask.bool() & ~torch.isin(ids, self.skip)
+            keep = torch.ones_like(mask, dtype=torch.bool) if is_query else mask.bool()
+            if not is_query:
+                keep &= ~torch.isin(ids, self.skip)
             out.extend(F.normalize(v[k], dim=-1) for v, k in zip(vectors, keep, strict=True))
         return out
 
@@ -122,6 +132,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="the reference's (PyLate's)")
     parser.add_argument("--pylate", action="store_true", help="compare with pylate itself")
+    parser.add_argument("--queries", action="store_true", help="encode the texts as queries")
     args = parser.parse_args()
 
     from tidepool import LLM
@@ -138,7 +149,7 @@ def main() -> None:
             def reference(texts: list[str]) -> list[torch.Tensor]:
                 return [
                     torch.as_tensor(e)
-                    for e in model.encode(texts, is_query=False, batch_size=args.batch_size)
+                    for e in model.encode(texts, is_query=args.queries, batch_size=args.batch_size)
                 ]
 
             name = "pylate"
@@ -146,18 +157,21 @@ def main() -> None:
             ref = Reference(folder)
 
             def reference(texts: list[str]) -> list[torch.Tensor]:
-                return ref.encode(texts, args.batch_size)
+                return ref.encode(texts, args.batch_size, args.queries)
 
             name = "reference"
 
+        role = "query" if args.queries else "document"
+
         def ours(texts: list[str]) -> list[torch.Tensor]:
-            return [o.outputs.data for o in llm.encode(texts, use_tqdm=False)]
+            return [o.outputs.data for o in llm.encode(texts, prompt_name=role, use_tqdm=False)]
 
         ours(docs[:64])
         reference(docs[:64])
-        num_tokens = sum(len(o.prompt_token_ids) for o in llm.encode(docs, use_tqdm=False))
+        encoded = llm.encode(docs, prompt_name=role, use_tqdm=False)
+        num_tokens = sum(len(o.prompt_token_ids) for o in encoded)
         print(
-            f"{len(docs)} documents, {num_tokens} tokens; threads={torch.get_num_threads()}; "
+            f"{len(docs)} {'queries' if args.queries else 'documents'}, {num_tokens} tokens; threads={torch.get_num_threads()}; "
             f"CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.1f}"
         )
         ratios, ours_s, ref_s = [], [], []

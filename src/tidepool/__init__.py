@@ -7,6 +7,7 @@ from tidepool import envs
 
 envs.apply_openmp_defaults()  # before anything imports torch
 
+from tidepool.entrypoints.bge_m3 import bge_m3_compute_score  # noqa: E402
 from tidepool.entrypoints.llm import LLM  # noqa: E402
 from tidepool.outputs import (  # noqa: E402
     BatchInputError,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "quantize_embeddings",
+    "bge_m3_compute_score",
     "PoolingParams",
     "SamplingParams",
     "RequestOutput",

@@ -90,8 +90,8 @@ class MultiVectorMeta:
     do_query_expansion: bool = True
     """Pad queries with [MASK] to `query_length` (query augmentation)."""
     attend_to_expansion_tokens: bool = False
-    """The [MASK] tokens are attended to by the others. tidepool always attends them (its
-    attention has no key mask): see docs/server.md, "Multi-vector models"."""
+    """The [MASK] tokens are attended to by the others; False: they attend to the query's text
+    only (its number of attended tokens, Request.num_attended_tokens)."""
     skiplist_words: tuple[str, ...] = ()
     """Tokens whose vectors are dropped from documents (punctuation: mask_punctuation)."""
 

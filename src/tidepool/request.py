@@ -25,6 +25,10 @@ class Request:
     """Set for pooling requests; None for generating ones."""
     token_type_ids: list[int] | None = None
     """Segment ids for pair inputs (BERT cross-encoders); None = all zeros."""
+    num_attended_tokens: int | None = None
+    """Encoders: only the prompt's first this many tokens are attended to (are keys), while
+    every token attends (a ColBERT query's [MASK] expansion when the model does not attend to
+    it); None: all of them."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)

@@ -156,3 +156,30 @@ def test_sparse_task_on_a_dense_model_is_a_clear_error(tiny_llm):
     with pytest.raises(BatchInputError, match="task 'embed_sparse' is not supported") as e:
         llm.encode(["a", "b"], params, use_tqdm=False)
     assert e.value.outputs[0] is not None and e.value.outputs[1] is None
+
+
+PAIRS = [(TEXTS[0], TEXTS[1]), (TEXTS[2], TEXTS[3]), (TEXTS[1], TEXTS[1])]
+
+
+@pytest.mark.parametrize("weights", [None, [0.4, 0.2, 0.4]])
+def test_compute_score_matches_flag_embedding(m3_path, m3_llm, weights):
+    """tidepool.bge_m3_compute_score vs BGEM3FlagModel.compute_score (batch_size=1: FlagEmbedding
+    pads a batch's passages with zero vectors, which can win a query vector's MaxSim)."""
+    from tidepool import bge_m3_compute_score
+
+    flag = _flag_model_cls()(str(m3_path), use_fp16=False, devices="cpu")
+    expected = flag.compute_score(PAIRS, batch_size=1, weights_for_different_modes=weights)
+    got = bge_m3_compute_score(m3_llm, PAIRS, weights_for_different_modes=weights)
+    assert set(got) == set(expected)
+    assert len(set(got["colbert+sparse+dense"])) == len(PAIRS)  # guard: pairs differ
+    for mode, values in got.items():
+        assert values == pytest.approx(expected[mode], abs=1e-5), mode
+    one = bge_m3_compute_score(m3_llm, PAIRS[0], weights_for_different_modes=weights)
+    assert one == pytest.approx({mode: values[0] for mode, values in got.items()}, abs=1e-6)
+
+
+def test_compute_score_needs_a_bge_m3_model(tiny_llm):
+    from tidepool import bge_m3_compute_score
+
+    with pytest.raises(ValueError, match="needs a BGE-M3 model"):
+        bge_m3_compute_score(tiny_llm("bert"), PAIRS)

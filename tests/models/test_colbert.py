@@ -4,8 +4,12 @@ token vectors, MaxSim scores, marker tokens, [MASK] query expansion, the punctua
 
 The reference follows pylate/models/colbert.py (tokenize / encode): texts are cut to length - 1
 tokens (special tokens included), queries padded with [MASK] to that length, the marker inserted
-after [CLS], the body run with its attention mask, the projection applied, document rows of
-padding and skiplist tokens dropped, every row L2-normalized. When the `pylate` package imports
+after [CLS], the body run with its attention mask (zeros on a query's [MASK] expansion when the
+model does not attend to it: colbert-ir's attend_to_mask_tokens, PyLate's
+attend_to_expansion_tokens), the projection applied, document rows of padding and skiplist
+tokens dropped, every row L2-normalized. "colbert_ir_masked_wide" and "pylate_masked" have
+32-wide heads, so they run on the CPU attention kernel where that is available (the others,
+8-wide, on SDPA); `test_unattended_expansion_on_every_backend` runs them on each backend. When the `pylate` package imports
 in a separate venv (it cannot share this one: it pins sentence-transformers 5.3), it is compared
 too (`test_matches_pylate_itself`, skipped without that venv).
 """
@@ -35,7 +39,13 @@ DOCUMENTS = [
 ]
 
 
-def _save_colbert_ir(folder: Path, minilm_path: Path, attend: bool) -> None:
+WIDE_SIZES = {**TINY_SIZES, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128}
+"""32-wide heads: the CPU attention kernel's smallest head width."""
+
+
+def _save_colbert_ir(
+    folder: Path, minilm_path: Path, attend: bool, sizes: dict = TINY_SIZES
+) -> None:
     """colbert-ir's layout: HF_ColBERT config, bert.* and linear.weight, artifact.metadata."""
     from safetensors.torch import save_file
     from transformers import BertConfig, BertModel
@@ -43,7 +53,7 @@ def _save_colbert_ir(folder: Path, minilm_path: Path, attend: bool) -> None:
     folder.mkdir(parents=True)
     copy_bert_tokenizer(minilm_path, folder)
     torch.manual_seed(7)
-    config = BertConfig(vocab_size=30522, **TINY_SIZES)
+    config = BertConfig(vocab_size=30522, **sizes)
     body = BertModel(config, add_pooling_layer=False).eval()
     config.architectures = ["HF_ColBERT"]
     config.save_pretrained(str(folder))
@@ -62,7 +72,7 @@ def _save_colbert_ir(folder: Path, minilm_path: Path, attend: bool) -> None:
     (folder / "artifact.metadata").write_text(json.dumps(metadata))
 
 
-def _save_pylate(folder: Path, minilm_path: Path) -> None:
+def _save_pylate(folder: Path, minilm_path: Path, attend: bool, sizes: dict = TINY_SIZES) -> None:
     """PyLate's layout: a sentence-transformers folder with a Dense projection, "[Q] " / "[D] "
     added to the tokenizer, its fields in config_sentence_transformers.json."""
     from safetensors.torch import save_file
@@ -73,7 +83,7 @@ def _save_pylate(folder: Path, minilm_path: Path) -> None:
     tokenizer.add_tokens(["[Q] ", "[D] "])
     tokenizer.save_pretrained(str(folder))
     torch.manual_seed(11)
-    config = BertConfig(vocab_size=len(tokenizer), **TINY_SIZES)
+    config = BertConfig(vocab_size=len(tokenizer), **sizes)
     BertModel(config, add_pooling_layer=False).eval().save_pretrained(str(folder))
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -104,7 +114,7 @@ def _save_pylate(folder: Path, minilm_path: Path) -> None:
         "document_prefix": "[D] ",
         "query_length": QUERY_LENGTH,
         "document_length": DOCUMENT_LENGTH,
-        "attend_to_expansion_tokens": True,
+        "attend_to_expansion_tokens": attend,
         "skiplist_words": list(string.punctuation),
         "do_query_expansion": True,
         "prompts": {},
@@ -113,17 +123,19 @@ def _save_pylate(folder: Path, minilm_path: Path) -> None:
     (folder / "config_sentence_transformers.json").write_text(json.dumps(st_config))
 
 
+KINDS = ("colbert_ir", "colbert_ir_masked", "colbert_ir_masked_wide", "pylate", "pylate_masked")
+"""The test models: layout, then whether the query expansion is attended to ("_masked": not)."""
+
+
 @pytest.fixture(scope="session")
 def colbert_paths(tmp_path_factory, minilm_path: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("colbert")
-    paths = {
-        "colbert_ir": root / "colbert_ir",
-        "colbert_ir_masked": root / "colbert_ir_masked",
-        "pylate": root / "pylate",
-    }
+    paths = {kind: root / kind for kind in KINDS}
     _save_colbert_ir(paths["colbert_ir"], minilm_path, attend=True)
     _save_colbert_ir(paths["colbert_ir_masked"], minilm_path, attend=False)
-    _save_pylate(paths["pylate"], minilm_path)
+    _save_colbert_ir(paths["colbert_ir_masked_wide"], minilm_path, False, WIDE_SIZES)
+    _save_pylate(paths["pylate"], minilm_path, attend=True)
+    _save_pylate(paths["pylate_masked"], minilm_path, False, WIDE_SIZES)
     return paths
 
 
@@ -160,7 +172,8 @@ class Reference:
                 "linear.weight"
             ]
             self.markers = ("[Q] ", "[D] ")
-            self.attend = True
+            st_config = json.loads((path / "config_sentence_transformers.json").read_text())
+            self.attend = st_config["attend_to_expansion_tokens"]
         self.body = BertModel.from_pretrained(str(path), add_pooling_layer=False).eval()
         self.skip_ids = set(self.tokenizer.convert_tokens_to_ids(list(string.punctuation)))
 
@@ -212,7 +225,7 @@ def _assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> N
         assert float(cos.min()) >= 0.99999, float(cos.min())
 
 
-@pytest.mark.parametrize("kind", ["colbert_ir", "pylate"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_vectors_and_maxsim_match_reference(kind, colbert_paths, colbert_llm):
     llm = colbert_llm(kind)
     ref = Reference(colbert_paths[kind], kind)
@@ -253,13 +266,45 @@ def test_marker_expansion_and_skiplist_exact(kind, colbert_paths, colbert_llm):
     assert len(long_doc.prompt_token_ids) == DOCUMENT_LENGTH
 
 
-def test_masked_expansion_documents_match(colbert_paths, colbert_llm):
-    """attend_to_mask_tokens=false (colbert-ir's default): documents are exact; queries differ,
-    since tidepool's attention has no key mask (docs/server.md, "Multi-vector models")."""
-    llm = colbert_llm("colbert_ir_masked")
-    ref = Reference(colbert_paths["colbert_ir_masked"], "colbert_ir_masked")
-    documents = [o.outputs.data for o in llm.encode(DOCUMENTS, use_tqdm=False)]
-    _assert_close(documents, ref.encode(DOCUMENTS, is_query=False))
+def test_unattended_expansion_changes_queries_only(colbert_llm):
+    """colbert_ir and colbert_ir_masked share their weights: documents are equal, queries are not
+    (the [MASK]s no longer feed the text's vectors), so the key counts take effect."""
+    attended, masked = colbert_llm("colbert_ir"), colbert_llm("colbert_ir_masked")
+    [q_all] = attended.encode(QUERIES[:1], prompt_name="query", use_tqdm=False)
+    [q_text] = masked.encode(QUERIES[:1], prompt_name="query", use_tqdm=False)
+    assert q_all.prompt_token_ids == q_text.prompt_token_ids
+    cos = F.cosine_similarity(q_all.outputs.data, q_text.outputs.data, dim=-1)
+    assert float(cos.min()) < 0.99
+    [d_all] = attended.encode(DOCUMENTS[:1], use_tqdm=False)
+    [d_text] = masked.encode(DOCUMENTS[:1], use_tqdm=False)
+    assert torch.equal(d_all.outputs.data, d_text.outputs.data)
+
+
+# Lengths near the queries' 16 tokens, so queries and documents share attention buckets.
+MIXED_DOCUMENTS = [
+    "a tide pool by the sea, a rocky one too",
+    "three ways to score pairs of texts, side by side",
+]
+
+
+@pytest.mark.parametrize("kind", ["colbert_ir_masked", "colbert_ir_masked_wide", "pylate_masked"])
+def test_unattended_expansion_is_batch_invariant(kind, colbert_llm):
+    """Each query alone equals the same query in one step with other queries and documents of
+    similar lengths (shared buckets: key counts next to padding)."""
+    from tidepool import PoolingParams
+
+    llm = colbert_llm(kind)
+    texts = [*QUERIES, *MIXED_DOCUMENTS, *DOCUMENTS]
+    roles = ["query"] * len(QUERIES) + ["document"] * (len(texts) - len(QUERIES))
+    params = [PoolingParams(prompt_name=role) for role in roles]
+    together = llm.encode(texts, pooling_params=params, use_tqdm=False)
+    lengths = {len(o.prompt_token_ids) for o in together}
+    assert QUERY_LENGTH in lengths and 14 in lengths, lengths  # guard: shared buckets
+    assert not torch.allclose(together[0].outputs.data, together[1].outputs.data)
+    for text, role, out in zip(texts, roles, together, strict=True):
+        [alone] = llm.encode(text, prompt_name=role, use_tqdm=False)
+        assert alone.prompt_token_ids == out.prompt_token_ids
+        torch.testing.assert_close(out.outputs.data, alone.outputs.data, rtol=0, atol=1e-6)
 
 
 def test_bad_inputs(colbert_llm, minilm_llm):
@@ -275,6 +320,9 @@ def test_bad_inputs(colbert_llm, minilm_llm):
         llm.score(QUERIES[0], [DOCUMENTS[0], "", DOCUMENTS[1]], use_tqdm=False)
     assert [e.index for e in info.value.errors] == [1]
     assert info.value.outputs[0] is not None and info.value.outputs[2] is not None
+    # Its score sides are query and document already: other roles are refused.
+    with pytest.raises(ValueError, match="scores data_1 as queries"):
+        llm.score(QUERIES[0], DOCUMENTS, prompt_name="document", use_tqdm=False)
     # No multi-vector scoring on a dense model: it scores by cosine, and token_embed with a
     # ColBERT prompt name is refused.
     with pytest.raises(ValueError, match="unknown prompt_name 'query'"):
@@ -298,7 +346,7 @@ torch.save({"queries": [torch.as_tensor(x) for x in q],
 """
 
 
-@pytest.mark.parametrize("kind", ["colbert_ir", "pylate"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_matches_pylate_itself(kind, colbert_paths, colbert_llm, tmp_path):
     if not Path(PYLATE_PYTHON).is_file():
         pytest.skip(
@@ -355,3 +403,28 @@ def test_server_score_rerank_and_pooling(colbert_paths, colbert_llm):
         assert "document, query" in answer.json()["error"]["message"]
         answer = client.post("/v1/embeddings", json={"input": "x"})
         assert answer.status_code == 400
+
+
+@pytest.mark.parametrize("kind", ["colbert_ir_masked_wide", "pylate_masked"])
+def test_unattended_expansion_on_every_backend(kind, colbert_paths):
+    """Key counts reach every encoder attention backend (the CPU kernel, SDPA): queries match the
+    reference on each (attend_heads, the transformers backend's entry: test_cpu_attention_kernel)."""
+    from tidepool import LLM
+    from tidepool.attention import cpu_kernels
+    from tidepool.attention.backend import CPU_KERNEL, ENCODER_BACKENDS
+
+    llm = LLM(str(colbert_paths[kind]))
+    model = llm.engine.model_runner.model
+    chosen = model.attention_backend
+    spec = model.attention_spec(torch.device("cpu"), torch.float32)
+    runnable = [b for b in ENCODER_BACKENDS.values() if b.supports(spec)]
+    if cpu_kernels.supports(torch.device("cpu"), torch.float32, 32):
+        assert chosen is CPU_KERNEL and len(runnable) == 2
+    expected = Reference(colbert_paths[kind], kind).encode(QUERIES, is_query=True)
+    try:
+        for backend in runnable:
+            model.set_attention_backend(backend)
+            got = llm.encode(QUERIES, prompt_name="query", use_tqdm=False)
+            _assert_close([o.outputs.data for o in got], expected)
+    finally:
+        model.set_attention_backend(chosen)

@@ -37,11 +37,14 @@ requires_kernel = pytest.mark.skipif(
 SEQ_LENS = [300, 129, 64, 33, 32, 31, 17, 16, 15, 9, 8, 7, 2, 1]
 
 
-def _reference(qkv, starts, lens, scale, dtype=torch.float64) -> torch.Tensor:
-    """Per-sequence SDPA in `dtype`, returned as float64."""
+def _reference(qkv, starts, lens, scale, dtype=torch.float64, key_lens=None) -> torch.Tensor:
+    """Per-sequence SDPA in `dtype`, returned as float64; with `key_lens`, sequence i's keys
+    and values are its first key_lens[i] rows (its queries all of its rows)."""
     out = torch.zeros(qkv.shape[0], qkv.shape[2] * qkv.shape[3], dtype=torch.float64)
-    for s, n in zip(starts, lens, strict=True):
+    for i, (s, n) in enumerate(zip(starts, lens, strict=True)):
         q, k, v = qkv[s : s + n].to(dtype).permute(1, 2, 0, 3)  # [3, H, n, D]
+        if key_lens is not None:
+            k, v = k[:, : key_lens[i]], v[:, : key_lens[i]]
         out[s : s + n] = (
             F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(0, 1).reshape(n, -1)
         )
@@ -57,11 +60,26 @@ def _packed(lens: list[int], heads: int, head_dim: int, dtype: torch.dtype, seed
     return qkv, starts
 
 
-def _run(qkv, starts, lens, scale, first=False):
+def _run(qkv, starts, lens, scale, first=False, key_lens=None):
     q, k, v = qkv.unbind(1)
+    keys = None if key_lens is None else torch.tensor(key_lens)
     return cpu_kernels.encoder_attention(
-        q, k, v, torch.tensor(starts), torch.tensor(lens), scale, first_token_only=first
+        q, k, v, torch.tensor(starts), torch.tensor(lens), scale, first, key_lens=keys
     )
+
+
+# (length, key count) around the tiles: key counts at and next to 1, 8, 16, 32 and 64 keys, each
+# with as many queries, one more, a query tile more and many more.
+KEY_CASES = sorted(
+    {
+        (min(keys + extra, 300), keys)
+        for keys in (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65)
+        for extra in (0, 1, 8, 23, 200)
+    },
+    reverse=True,
+)
+KEY_LENS = [keys for _, keys in KEY_CASES]
+KEY_SEQ_LENS = [length for length, _ in KEY_CASES]
 
 
 @requires_kernel
@@ -243,3 +261,87 @@ def test_separate_head_major_views_and_grouped_kv_heads(dtype):
         assert err.max().item() <= 1e-5
     else:
         assert (err <= ref.abs() * 2**-8 + 1e-3).all(), err.max().item()
+
+
+@requires_kernel
+@pytest.mark.parametrize("head_dim,heads", [(32, 3), (64, 2), (128, 1)])
+def test_key_counts_match_the_float64_reference(head_dim, heads):
+    """key_lens < length (a ColBERT query's [MASK] expansion, not attended to): every row is a
+    query over its sequence's first key_lens[i] keys, around the tile edges."""
+    qkv, starts = _packed(KEY_SEQ_LENS, heads, head_dim, torch.float32, seed=4)
+    scale = head_dim**-0.5
+    out = _run(qkv, starts, KEY_SEQ_LENS, scale, key_lens=KEY_LENS)
+    ref = _reference(qkv, starts, KEY_SEQ_LENS, scale, key_lens=KEY_LENS)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 1e-5, err
+    # Guard: the key counts matter (all keys give other outputs).
+    full = _reference(qkv, starts, KEY_SEQ_LENS, scale)
+    assert (full - ref).abs().max().item() > 1e-2
+    first = _run(qkv, starts, KEY_SEQ_LENS, scale, first=True, key_lens=KEY_LENS)
+    torch.testing.assert_close(first, out[starts], rtol=0, atol=0)
+
+
+@requires_kernel
+def test_key_counts_in_bfloat16_with_grouped_heads():
+    g = torch.Generator().manual_seed(5)
+    total, heads, kv_heads = sum(KEY_SEQ_LENS), 4, 2
+    q = torch.randn(total, heads, 32, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(total, kv_heads, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    starts = [0]
+    for n in KEY_SEQ_LENS[:-1]:
+        starts.append(starts[-1] + n)
+    out = cpu_kernels.encoder_attention(
+        q,
+        k,
+        v,
+        torch.tensor(starts),
+        torch.tensor(KEY_SEQ_LENS),
+        0.2,
+        key_lens=torch.tensor(KEY_LENS),
+    )
+    qkv = torch.stack([q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)], 1)
+    ref = _reference(qkv, starts, KEY_SEQ_LENS, 0.2, key_lens=KEY_LENS)
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * 2**-8 + 1e-3).all(), err.max().item()
+
+
+@requires_kernel
+def test_key_counts_equal_to_the_lengths_change_nothing_and_bad_ones_are_refused():
+    qkv, starts = _packed(SEQ_LENS, 2, 32, torch.float32, seed=6)
+    base = _run(qkv, starts, SEQ_LENS, 0.3)
+    assert torch.equal(_run(qkv, starts, SEQ_LENS, 0.3, key_lens=SEQ_LENS), base)
+    with pytest.raises(RuntimeError, match="key_lens 0 outside 1..4"):
+        _run(qkv[:8], [0, 4], [4, 4], 0.3, key_lens=[2, 0])
+    with pytest.raises(RuntimeError, match="key_lens 5 outside 1..4"):
+        _run(qkv[:8], [0, 4], [4, 4], 0.3, key_lens=[5, 4])
+    with pytest.raises(RuntimeError, match="one entry per sequence"):
+        _run(qkv[:8], [0, 4], [4, 4], 0.3, key_lens=[4])
+
+
+@pytest.mark.parametrize("entry", ["attend", "attend_heads", "attend_first_tokens"])
+def test_every_backend_honours_key_counts(entry):
+    """The metadata's key_lens through each encoder backend that runs here (SDPA: the buckets'
+    key masks, packed rows gathered; the kernel: its key counts) against the reference."""
+    from tidepool.attention.backend import ENCODER_BACKENDS, AttentionSpec
+    from tidepool.attention.metadata import build_encoder_metadata, pad_buckets
+
+    spec = AttentionSpec(torch.device("cpu"), torch.float32, 32, 512)
+    lens, keys = KEY_SEQ_LENS, KEY_LENS
+    qkv, starts = _packed(lens, 2, 32, torch.float32, seed=7)
+    meta = build_encoder_metadata(lens, torch.device("cpu"), num_heads=2, key_lens=keys)
+    assert meta.key_lens == keys and any(b.key_mask is not None for b in meta.buckets)
+    ref = _reference(qkv, starts, lens, 0.2, key_lens=keys)
+    for backend in [b for b in ENCODER_BACKENDS.values() if b.supports(spec)]:
+        if entry == "attend_heads":
+            q, k, v = qkv.unbind(1)
+            out = backend.attend_heads(q, k, v, meta, 0.2)
+        elif backend.packed_layout:
+            out = getattr(backend, entry)(qkv, meta, 0.2)
+        else:  # the padded layout, as the native encoders run SDPA
+            layout = pad_buckets(meta)
+            out = getattr(backend, entry)(qkv[layout.token_index], layout.metadata, 0.2)
+            if entry == "attend":
+                out = out[layout.slot_of_token]
+        expected = ref[starts] if entry == "attend_first_tokens" else ref
+        err = (out.double() - expected).abs().max().item()
+        assert err <= 1e-5, (backend.name, err)

@@ -125,3 +125,84 @@ def test_server_prompt_name(prompted_minilm: Path, prompted_llm):
         assert answer.status_code == 400
         error = answer.json()["error"]
         assert error["param"] == "prompt_name" and "passage, query" in error["message"]
+
+
+# ---------------------------------------------------------------------- LLM.score, /embed_sparse
+
+
+def test_score_prompt_names_match_sentence_transformers(prompted_llm, prompted_st):
+    """A bi-encoder embeds data_1 with prompt_name and data_2 with document_prompt_name, as
+    sentence-transformers' encode(prompt_name=) of each side; cosine within 1e-5."""
+    query, documents = TEXTS[0], TEXTS[1:]
+    for names in (("query", "passage"), ("query", None), (None, "passage")):
+        scores = prompted_llm.score(
+            query, documents, prompt_name=names[0], document_prompt_name=names[1], use_tqdm=False
+        )
+        q = prompted_st.encode([query], prompt_name=names[0], normalize_embeddings=True)
+        d = prompted_st.encode(documents, prompt_name=names[1], normalize_embeddings=True)
+        expected = (q @ d.T)[0]
+        got = [o.outputs.score for o in scores]
+        assert np.abs(np.asarray(got) - expected).max() <= 1e-5, (names, got, expected)
+    plain = [o.outputs.score for o in prompted_llm.score(query, documents, use_tqdm=False)]
+    assert abs(plain[0] - got[0]) > 1e-4  # guard: the prompts change the scores
+    with pytest.raises(ValueError, match="unknown prompt_name 'doc'"):
+        prompted_llm.score(query, documents, document_prompt_name="doc", use_tqdm=False)
+
+
+def test_score_prompt_name_on_a_cross_encoder_matches_cross_encoder_predict(
+    tmp_path, tiny_model_path
+):
+    """A cross-encoder gets prompt_name's text before each data_1 text, as sentence-transformers'
+    CrossEncoder.predict(prompt_name=) does."""
+    from sentence_transformers import CrossEncoder
+
+    from tidepool import LLM
+
+    folder = tmp_path / "cross"
+    shutil.copytree(tiny_model_path("bert-cross-encoder"), folder)
+    config_file = folder / "config_sentence_transformers.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config.update(prompts=PROMPTS, default_prompt_name=None)
+    config_file.write_text(json.dumps(config))
+    llm = LLM(str(folder))
+    query, documents = TEXTS[0], TEXTS[1:]
+    got = [
+        o.outputs.score for o in llm.score(query, documents, prompt_name="query", use_tqdm=False)
+    ]
+    by_hand = [o.outputs.score for o in llm.score("query: " + query, documents, use_tqdm=False)]
+    assert got == pytest.approx(by_hand, abs=1e-6)
+    plain = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]
+    assert max(abs(a - b) for a, b in zip(got, plain, strict=True)) > 1e-6
+    cross = CrossEncoder(str(folder), device="cpu", prompts=PROMPTS)
+    expected = cross.predict([(query, d) for d in documents], prompt_name="query")
+    assert np.abs(np.asarray(got) - expected).max() <= 1e-5
+
+
+def test_embed_sparse_prompt_name_offline_and_on_tei_route(tmp_path, minilm_path: Path):
+    """/embed_sparse takes TEI's prompt_name like /embed; an unknown one is a 400."""
+    from fastapi.testclient import TestClient
+    from sparse_models import save_splade
+
+    from tidepool import LLM
+    from tidepool.engine.async_engine import AsyncEngine
+    from tidepool.entrypoints.openai.server import build_app
+
+    folder = save_splade(tmp_path / "splade", minilm_path, 150, "max")
+    config_file = folder / "config_sentence_transformers.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config.update(prompts=PROMPTS, default_prompt_name=None)
+    config_file.write_text(json.dumps(config))
+    llm = LLM(str(folder))
+    [named] = llm.embed_sparse(TEXTS[0], prompt_name="query", use_tqdm=False)
+    [by_hand] = llm.embed_sparse("query: " + TEXTS[0], use_tqdm=False)
+    [plain] = llm.embed_sparse(TEXTS[0], use_tqdm=False)
+    assert named.outputs.as_dict() == by_hand.outputs.as_dict() != plain.outputs.as_dict()
+    engine = AsyncEngine.from_args(str(folder), device="cpu", dtype="float32")
+    with TestClient(build_app(engine)) as client:
+        answer = client.post("/embed_sparse", json={"inputs": TEXTS[0], "prompt_name": "query"})
+        assert answer.status_code == 200, answer.text
+        got = {v["index"]: v["value"] for v in answer.json()[0]}
+        assert got == pytest.approx(named.outputs.as_dict(), abs=1e-6)
+        answer = client.post("/embed_sparse", json={"inputs": "x", "prompt_name": "nope"})
+        assert answer.status_code == 400
+        assert "passage, query" in answer.text

@@ -6,7 +6,9 @@
       bucketed_sdpa   torch SDPA per bucket of similar lengths (torch_backend.py), on the padded
                       layout (metadata.pad_buckets); runs wherever torch runs
     Both take an optional relative position bias (relative_bias.py: MPNet's): the kernel reads it
-    per head by key - query distance, SDPA gets it as a dense additive mask per bucket.
+    per head by key - query distance, SDPA gets it as a dense additive mask per bucket. Both
+    take per-sequence key counts (metadata.key_lens): the kernel as an argument, SDPA in the
+    buckets' key masks.
     decoder backends (causal, over the paged KV cache)
       paged_sdpa      torch SDPA per bucket of rows over gathered cache blocks (paged.py)
 
@@ -62,7 +64,8 @@ class AttentionSpec:
 
 class EncoderAttentionBackend(ABC):
     """Bidirectional attention inside each packed sequence of a step. Stateless: one instance
-    serves every layer and every model."""
+    serves every layer and every model. Every token of a sequence is a query; its keys are all
+    its tokens, or its first meta.key_lens[i] when the metadata has key counts (metadata.py)."""
 
     name: ClassVar[str]
     packed_layout: ClassVar[bool]
@@ -121,23 +124,33 @@ class CpuKernelBackend(EncoderAttentionBackend):
 
     def attend(self, qkv, meta, scale, bias=None):
         q, k, v = qkv.unbind(1)
-        return cpu_kernels.encoder_attention(
-            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale, bias=bias
-        )
+        return _kernel(q, k, v, meta, scale, bias=bias)
 
     def attend_first_tokens(self, qkv, meta, scale, bias=None):
         q, k, v = qkv.unbind(1)
-        return cpu_kernels.encoder_attention(
-            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale, True, bias
-        )
+        return _kernel(q, k, v, meta, scale, first_token_only=True, bias=bias)
 
     def attend_heads(self, q, k, v, meta, scale):
         if q.shape[2] not in cpu_kernels.HEAD_DIMS:
             # A layer whose heads differ from the config's (the spec saw those): packed buckets.
             return torch_backend.encoder_attention_heads(q, k, v, meta, scale)
-        return cpu_kernels.encoder_attention(
-            q, k, v, meta.cu_seqlens[:-1], meta.seq_lens_tensor, scale
-        )
+        return _kernel(q, k, v, meta, scale)
+
+
+def _kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: EncoderAttentionMetadata,
+    scale: float,
+    first_token_only: bool = False,
+    bias: RelativePositionBias | None = None,
+) -> torch.Tensor:
+    """The kernel over the packed sequences of `meta`, with their key counts."""
+    starts, lens, keys = meta.cu_seqlens[:-1], meta.seq_lens_tensor, meta.key_lens_tensor
+    return cpu_kernels.encoder_attention(
+        q, k, v, starts, lens, scale, first_token_only, bias, key_lens=keys
+    )
 
 
 class BucketedSdpaBackend(EncoderAttentionBackend):

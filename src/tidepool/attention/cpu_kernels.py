@@ -3,7 +3,9 @@
 `encoder_attention` (csrc/cpu_encoder_attention.cpp) is bidirectional attention over packed,
 variable-length sequences: no padding, no mask, each (sequence, head) one task for a thread,
 AVX-512 in float32 with float32 or bfloat16 inputs, head_dim 32, 64 or 128, with an optional
-relative position bias read per head by key - query distance (MPNet). It replaces PyTorch's
+relative position bias read per head by key - query distance (MPNet), and optional key counts
+per sequence (keys are a sequence's first key_lens[i] tokens, queries all of them: ColBERT
+queries whose [MASK] expansion is not attended to). It replaces PyTorch's
 CPU SDPA for the native encoders because SDPA's flash kernel runs 32- and 64-wide heads as many
 tiny GEMMs (25-60 GFLOP/s here; figures in docs/performance.md). Written by hand deliberately:
 no maintained library offers varlen encoder attention for CPU (vLLM's CPU kernels are part of
@@ -152,13 +154,15 @@ def encoder_attention(
     scale: float,
     first_token_only: bool = False,
     bias: RelativePositionBias | None = None,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim], k / v: [num_tokens, kv_heads, head_dim] (views with any
     row and head strides, head_dim contiguous; kv_heads dividing heads), sequence i at rows
     seq_starts[i] .. + seq_lens[i] (int64 tensors) → [num_tokens, heads * head_dim] (rows outside
     every sequence are left unset), or with `first_token_only` [num_seqs, heads * head_dim]: each
     sequence's first query only, in sequence order. `bias` (relative_bias.py) is added to the
-    scores inside the kernel, read by key - query distance."""
+    scores inside the kernel, read by key - query distance. `key_lens` ([num_seqs] int64, each
+    in 1..seq_lens[i]): sequence i's keys are its first key_lens[i] rows; None: all its rows."""
     op = load()
     assert op is not None, "check supports() first"
     num_tokens, num_heads, head_dim = q.shape
@@ -169,5 +173,18 @@ def encoder_attention(
         out = q.new_empty(num_tokens, num_heads * head_dim)
         out_starts = seq_starts
     table, offset = (None, 0) if bias is None else (bias.by_distance, bias.offset)
-    op(q, k, v, seq_starts, seq_lens, out_starts, first_token_only, scale, table, offset, out)
+    op(
+        q,
+        k,
+        v,
+        seq_starts,
+        seq_lens,
+        out_starts,
+        first_token_only,
+        scale,
+        table,
+        offset,
+        key_lens,
+        out,
+    )
     return out

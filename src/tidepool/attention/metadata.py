@@ -12,6 +12,11 @@ Padding stays below `max_pad_fraction` of a bucket, so the waste is bounded, and
 kernel calls per layer is the number of buckets, not the number of sequences (a per-sequence loop
 costs ~0.2 ms of framework overhead per call on CPU, more than the arithmetic for short texts).
 
+A sequence may also have fewer keys than tokens (`key_lens`: a ColBERT query whose [MASK]
+expansion attends to the text but is not attended to, as PyLate's attention mask of zeros on
+those tokens): its keys are its first key_lens[i] tokens and every token is still a query. The
+buckets carry that in their key masks, the CPU kernel takes the counts (key_lens_tensor).
+
 Encoders then run on the *padded layout* (`pad_buckets`): the token ids are spread into the
 buckets' [num_seqs, max_len] slots once per step, every layer works on the slots (a bucket is a
 plain slice, attention needs no gather), and the final hidden states are gathered back to the
@@ -20,7 +25,7 @@ packed order once. Worked example above: 21 + 3 = 24 slots for 23 tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,7 +43,8 @@ class AttentionBucket:
     gather_index: torch.Tensor | None
     """[num_seqs * max_len] flat token index per padded slot; None when no slot is padding."""
     key_mask: torch.Tensor | None
-    """[num_seqs, 1, 1, max_len] bool, True where the key is a real token; None without padding."""
+    """[num_seqs, 1, 1, max_len] bool, True where the slot is a key (a real token within its
+    sequence's key count); None when every slot is."""
     valid_slots: torch.Tensor | None
     """[end - start] padded slots that hold real tokens, in flat order; None without padding."""
     key_bias: torch.Tensor | None = None
@@ -55,6 +61,11 @@ class EncoderAttentionMetadata:
     buckets: list[AttentionBucket]
     seq_lens_tensor: torch.Tensor | None = None
     """[num_seqs] int64 seq_lens (on the device), for kernels that take the lengths."""
+    key_lens: list[int] | None = None
+    """Per sequence, how many of its first tokens are keys (<= its length); None: all tokens of
+    every sequence (set only when some sequence has fewer keys than tokens)."""
+    key_lens_tensor: torch.Tensor | None = None
+    """[num_seqs] int64 key_lens (on the device), for kernels; None when key_lens is."""
 
 
 def build_encoder_metadata(
@@ -63,8 +74,12 @@ def build_encoder_metadata(
     max_pad_fraction: float = 0.15,
     num_heads: int = 12,
     dtype: torch.dtype | None = None,
+    key_lens: list[int] | None = None,
 ) -> EncoderAttentionMetadata:
-    """`seq_lens` in flat order, which the runner makes non-increasing (longest first)."""
+    """`seq_lens` in flat order, which the runner makes non-increasing (longest first);
+    `key_lens`: per sequence, its number of keys (see the module docstring; None: all)."""
+    if key_lens is not None and all(k == n for k, n in zip(key_lens, seq_lens, strict=True)):
+        key_lens = None
     cu = [0]
     for n in seq_lens:
         cu.append(cu[-1] + n)
@@ -81,7 +96,10 @@ def build_encoder_metadata(
             and seq_lens[j] >= max_len * (1.0 - max_pad_fraction)
         ):
             j += 1
-        buckets.append(_make_bucket(seq_lens[i:j], cu[i], cu[j], max_len, device, dtype))
+        bucket_keys = None if key_lens is None else key_lens[i:j]
+        buckets.append(
+            _make_bucket(seq_lens[i:j], bucket_keys, cu[i], cu[j], max_len, device, dtype)
+        )
         i = j
     return EncoderAttentionMetadata(
         num_tokens=cu[-1],
@@ -89,11 +107,16 @@ def build_encoder_metadata(
         cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
         buckets=buckets,
         seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        key_lens=key_lens,
+        key_lens_tensor=None
+        if key_lens is None
+        else torch.tensor(key_lens, dtype=torch.int64, device=device),
     )
 
 
 def _make_bucket(
     lens: list[int],
+    key_lens: list[int] | None,
     start: int,
     end: int,
     max_len: int,
@@ -101,29 +124,30 @@ def _make_bucket(
     dtype: torch.dtype | None,
 ) -> AttentionBucket:
     num_seqs = len(lens)
-    if all(n == max_len for n in lens):
+    padded = any(n != max_len for n in lens)
+    fewer_keys = key_lens is not None and any(k != n for k, n in zip(key_lens, lens, strict=True))
+    if not padded and not fewer_keys:
         return AttentionBucket(start, end, num_seqs, max_len, None, None, None)
     lens_t = torch.tensor(lens, dtype=torch.int64)
     slot = torch.arange(max_len, dtype=torch.int64)
     valid = slot[None, :] < lens_t[:, None]  # [num_seqs, max_len]
-    seq_starts = torch.cumsum(lens_t, 0) - lens_t + start
-    # Padded slots read the sequence's first token: any real value works, the mask hides it.
-    gather = torch.where(valid, seq_starts[:, None] + slot[None, :], seq_starts[:, None])
-    valid_slots = valid.reshape(-1).nonzero().squeeze(1)
-    key_mask = valid.view(num_seqs, 1, 1, max_len)
+    keys = valid  # [num_seqs, max_len]: the slots within their sequence's key count
+    if fewer_keys:
+        keys = slot[None, :] < torch.tensor(key_lens, dtype=torch.int64)[:, None]
+    key_mask = keys.view(num_seqs, 1, 1, max_len)
     key_bias = None
     if dtype is not None:
         key_bias = torch.zeros(key_mask.shape, dtype=dtype).masked_fill_(~key_mask, float("-inf"))
         key_bias = key_bias.to(device)
+    gather = valid_slots = None
+    if padded:
+        seq_starts = torch.cumsum(lens_t, 0) - lens_t + start
+        # Padded slots read the sequence's first token: any real value works, the mask hides it.
+        gather = torch.where(valid, seq_starts[:, None] + slot[None, :], seq_starts[:, None])
+        gather = gather.reshape(-1).to(device)
+        valid_slots = valid.reshape(-1).nonzero().squeeze(1).to(device)
     return AttentionBucket(
-        start,
-        end,
-        num_seqs,
-        max_len,
-        gather.reshape(-1).to(device),
-        key_mask.to(device),
-        valid_slots.to(device),
-        key_bias,
+        start, end, num_seqs, max_len, gather, key_mask.to(device), valid_slots, key_bias
     )
 
 
@@ -179,9 +203,7 @@ def pad_buckets(meta: EncoderAttentionMetadata) -> PaddedLayout:
             )
         )
         offset += num_slots
-    padded = EncoderAttentionMetadata(
-        offset, meta.seq_lens, meta.cu_seqlens, buckets, meta.seq_lens_tensor
-    )
+    padded = replace(meta, num_tokens=offset, buckets=buckets)
     return PaddedLayout(torch.cat(token_index), torch.cat(slot_of_token), padded)
 
 

@@ -7,6 +7,11 @@
 // and no padding: each sequence attends to exactly its own tokens. Tasks are taken from a shared
 // counter, longest sequence first, so the threads finish together.
 //
+// Optional key counts (key_lens): sequence i's keys are then its first key_lens[i] tokens while
+// every one of its tokens is a query (a ColBERT query's [MASK] expansion, which attends but is
+// not attended to). A task simply packs fewer keys: nothing changes inside it, and without
+// key_lens the key count is the length.
+//
 // An optional relative position bias (MPNet's) is added to the scores from a per-head row of
 // biases by key - query distance ([heads, width], attention/relative_bias.py): query i, key j read
 // column j - i + offset, one unaligned vector load per 16 scores, no [L, L] tensor.
@@ -125,9 +130,10 @@ struct HeadRows {
   int64_t row;
 };
 
-// One (sequence, head): its rows [0, len) of q, k, v. Query rows 0 .. q_len-1 are written to
-// out rows out_start + i (row stride H D, this head's D columns). bias: this head's biases by
-// distance, column j - i of key j for query i (already offset), or null.
+// One (sequence, head): keys and values are its rows [0, len) of k, v, queries its rows
+// [0, q_len) of q (q_len may exceed len: rows past the sequence's key count). Query rows are
+// written to out rows out_start + i (row stride H D, this head's D columns). bias: this head's
+// biases by distance, column j - i of key j for query i (already offset), or null.
 template <typename T, int64_t D>
 void attend(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, int64_t len, int64_t q_len,
             int64_t h, float scale, const float* bias, T* out, int64_t out_start, Scratch& sc) {
@@ -257,10 +263,12 @@ struct View {
   int64_t row, head, heads;
 };
 
-template <typename T, int64_t D>
+// kKeyLens: whether key_lens is given; a template argument, so that the default path compiles to
+// the code it had before key counts existed.
+template <typename T, int64_t D, bool kKeyLens>
 void run(View q, View k, View v, const at::Tensor& starts, const at::Tensor& lens,
          const at::Tensor& out_starts, bool first_only, double scale, const float* bias,
-         int64_t bias_width, at::Tensor& out) {
+         int64_t bias_width, const int64_t* key_lens, at::Tensor& out) {
   const int64_t H = q.heads;
   const int64_t group = q.heads / k.heads;  // query heads per key/value head
   const int64_t num_seqs = starts.size(0);
@@ -285,9 +293,10 @@ void run(View q, View k, View v, const at::Tensor& starts, const at::Tensor& len
         const int64_t i = order[t / H];
         const int64_t h = t % H, kh = h / group;
         const int64_t len = ln[i], s0 = st[i];
+        const int64_t num_keys = kKeyLens ? key_lens[i] : len;
         attend<T, D>(HeadRows<T>{qp + s0 * q.row + h * q.head, q.row},
                      HeadRows<T>{kp + s0 * k.row + kh * k.head, k.row},
-                     HeadRows<T>{vp + s0 * v.row + kh * v.head, v.row}, H, len,
+                     HeadRows<T>{vp + s0 * v.row + kh * v.head, v.row}, H, num_keys,
                      first_only ? 1 : len, h, static_cast<float>(scale),
                      bias == nullptr ? nullptr : bias + h * bias_width, o, os[i], sc);
       }
@@ -306,7 +315,8 @@ View as_view(const at::Tensor& t, const char* name, const at::Tensor& q) {
 void encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& out_starts,
                        bool first_only, double scale, const c10::optional<at::Tensor>& bias,
-                       int64_t bias_offset, at::Tensor out) {
+                       int64_t bias_offset, const c10::optional<at::Tensor>& key_lens,
+                       at::Tensor out) {
   const View qv = as_view(q, "q", q), kv = as_view(k, "k", q), vv = as_view(v, "v", q);
   TORCH_CHECK(kv.heads == vv.heads && kv.heads >= 1 && qv.heads % kv.heads == 0,
               "k and v need the same number of heads, dividing q's");
@@ -330,6 +340,17 @@ void encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     TORCH_CHECK(os[i] >= 0 && os[i] + (first_only ? 1 : ln[i]) <= out.size(0), "sequence ", i,
                 ": output rows outside out's ", out.size(0));
   }
+  const int64_t* key_lens_ptr = nullptr;
+  if (key_lens.has_value()) {
+    const at::Tensor& kl = *key_lens;
+    TORCH_CHECK(kl.scalar_type() == at::kLong && kl.is_contiguous() && kl.dim() == 1 &&
+                    kl.size(0) == num_seqs,
+                "key_lens: contiguous int64 with one entry per sequence");
+    key_lens_ptr = kl.data_ptr<int64_t>();
+    for (int64_t i = 0; i < num_seqs; ++i)
+      TORCH_CHECK(key_lens_ptr[i] >= 1 && key_lens_ptr[i] <= ln[i], "sequence ", i, ": key_lens ",
+                  key_lens_ptr[i], " outside 1..", ln[i], " (its length)");
+  }
   const float* bias_ptr = nullptr;
   int64_t bias_width = 0;
   if (bias.has_value()) {
@@ -349,20 +370,22 @@ void encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   }
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "float32 or bfloat16 only");
+#define TP_RUN(T, DIM, KEYS)                                                                  \
+  run<T, DIM, KEYS>(qv, kv, vv, starts, lens, out_starts, first_only, scale, bias_ptr,        \
+                    bias_width, key_lens_ptr, out)
 #define TP_CASE(DIM)                                                                          \
   if (D == DIM) {                                                                             \
     if (bf16)                                                                                 \
-      run<c10::BFloat16, DIM>(qv, kv, vv, starts, lens, out_starts, first_only, scale,     \
-                              bias_ptr, bias_width, out);                                   \
+      key_lens_ptr ? TP_RUN(c10::BFloat16, DIM, true) : TP_RUN(c10::BFloat16, DIM, false);    \
     else                                                                                      \
-      run<float, DIM>(qv, kv, vv, starts, lens, out_starts, first_only, scale, bias_ptr,     \
-                      bias_width, out);                                                     \
+      key_lens_ptr ? TP_RUN(float, DIM, true) : TP_RUN(float, DIM, false);                    \
     return;                                                                                   \
   }
   TP_CASE(32)
   TP_CASE(64)
   TP_CASE(128)
 #undef TP_CASE
+#undef TP_RUN
   TORCH_CHECK(false, "head_dim must be 32, 64 or 128, got ", D);
 }
 
@@ -376,7 +399,7 @@ TORCH_LIBRARY(TP_NS, m) {
   m.def(
       "encoder_attention(Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lens, "
       "Tensor out_starts, bool first_only, float scale, Tensor? bias, int bias_offset, "
-      "Tensor(a!) out) -> ()");
+      "Tensor? key_lens, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(TP_NS, CPU, m) { m.impl("encoder_attention", &encoder_attention); }

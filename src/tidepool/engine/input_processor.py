@@ -262,7 +262,8 @@ class InputProcessor:
         ids, types = self._prefix_tokenizer.with_special_tokens(ids)
         if self._is_multi_vector(params):
             query = is_query(self.model_config, params.prompt_name)
-            return self._make(index, self.multi_vector.shape(ids, query), None, params)  # type: ignore[union-attr]
+            shaped = self.multi_vector.shape(ids, query)  # type: ignore[union-attr]
+            return self._make(index, shaped.token_ids, None, params, shaped.num_attended_tokens)
         return self._make(index, ids, types if self.keep_token_types else None, params)
 
     def process_pairs(
@@ -407,6 +408,7 @@ class InputProcessor:
         ids: list[int],
         token_types: list[int] | None,
         params: PoolingParams,
+        num_attended_tokens: int | None = None,
     ) -> Request | RequestError:
         if error := self._check_len(len(ids)):
             return RequestError(index, error)
@@ -417,6 +419,7 @@ class InputProcessor:
             prompt_token_ids=list(ids),
             pooling_params=params,
             token_type_ids=None if token_types is None else list(token_types),
+            num_attended_tokens=num_attended_tokens,
         )
 
     # ------------------------------------------------------------------ generation

@@ -8,17 +8,29 @@ The marker is a token inserted after the first special token (PyLate's insert_pr
 texts are cut so that the whole, marker and special tokens included, fits the length; queries
 are padded with [MASK] to query_length when query expansion is on (query augmentation). Every
 token runs through the model; a document's vectors of skiplist tokens (punctuation) are then
-dropped (`kept_rows`), a query keeps all of its vectors, [MASK]s included.
+dropped (`kept_rows`), a query keeps all of its vectors, [MASK]s included. A model that does not
+attend to the expansion (colbert-ir's attend_to_mask_tokens, PyLate's attend_to_expansion_tokens
+false: their attention mask is 0 there) gets the query's unpadded length as its number of
+attended tokens: the [MASK]s attend to the text, nothing attends to them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from tidepool.config import MultiVectorMeta
+
+
+class ShapedPrompt(NamedTuple):
+    """A query or document as the model runs it."""
+
+    token_ids: list[int]
+    """Marker, text, special tokens, then a query's [MASK] padding."""
+    num_attended_tokens: int | None
+    """The first tokens attended to (the rest, a query's [MASK]s, only attend); None: all."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,8 @@ class MultiVectorInputs:
     """[MASK]: pads queries when `query_length` is set."""
     query_length: int | None
     """Queries are padded to this many tokens (None: query expansion off)."""
+    attend_to_expansion: bool
+    """Whether the query's [MASK] padding is attended to (is a key) like its text."""
     max_query_tokens: int
     """Most tokens of a query, marker and special tokens included."""
     max_document_tokens: int
@@ -50,6 +64,7 @@ class MultiVectorInputs:
             document_prefix_id=_marker_id(tokenizer, meta.document_prefix),
             mask_token_id=mask_id,
             query_length=meta.query_length if meta.do_query_expansion else None,
+            attend_to_expansion=meta.attend_to_expansion_tokens,
             max_query_tokens=meta.query_length,
             max_document_tokens=meta.document_length,
             # As PyLate: convert_tokens_to_ids, so a word outside the vocabulary skips [UNK].
@@ -62,14 +77,16 @@ class MultiVectorInputs:
         total = self.max_query_tokens if is_query else self.max_document_tokens
         return total - num_special - (marker is not None)
 
-    def shape(self, ids: list[int], is_query: bool) -> list[int]:
+    def shape(self, ids: list[int], is_query: bool) -> ShapedPrompt:
         """Token ids with special tokens → the model's input: marker, then [MASK] padding."""
         marker = self.query_prefix_id if is_query else self.document_prefix_id
         if marker is not None:
             ids = ids[:1] + [marker] + ids[1:]
         if is_query and self.query_length is not None and len(ids) < self.query_length:
+            num_text = len(ids)
             ids = ids + [self.mask_token_id] * (self.query_length - len(ids))  # type: ignore[list-item]
-        return ids
+            return ShapedPrompt(ids, None if self.attend_to_expansion else num_text)
+        return ShapedPrompt(ids, None)
 
     def kept_rows(self, token_ids: list[int]) -> torch.Tensor | None:
         """A document's rows to keep (None: all): those whose token is not in the skiplist."""

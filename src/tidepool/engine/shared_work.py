@@ -80,7 +80,12 @@ def params_key(params: PoolingParams | None) -> tuple[Hashable, ...]:
 def work_key(request: Request) -> WorkKey:
     """The canonical, hashable form of what decides a pooling request's output."""
     token_type_ids = None if request.token_type_ids is None else tuple(request.token_type_ids)
-    return (tuple(request.prompt_token_ids), token_type_ids, params_key(request.pooling_params))
+    return (
+        tuple(request.prompt_token_ids),
+        token_type_ids,
+        request.num_attended_tokens,
+        params_key(request.pooling_params),
+    )
 
 
 class _Flight:

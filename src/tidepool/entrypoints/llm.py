@@ -25,23 +25,15 @@ from tidepool.engine.generate_inputs import eos_token_ids
 from tidepool.engine.generation_stream import GenerationInput
 from tidepool.engine.input_processor import InputProcessor
 from tidepool.engine.llm_engine import LLMEngine
-from tidepool.engine.pooling import (
-    cosine_scores,
-    cross_encoder_score,
-    expand_score_pairs,
-    maxsim_scores,
-    pair_failures,
-    plan_embedding_scores,
-    plan_late_interaction_scores,
-    scoring_rule,
-)
+from tidepool.engine.pooling import cross_encoder_score, expand_score_pairs, scoring_rule
 from tidepool.engine.prompts import check_prompt_name
 from tidepool.engine.tasks import check_task_supported
-from tidepool.entrypoints.llm_outputs import (
-    completions,
-    late_interaction_failures,
-    pair_score_outputs,
-    prompt_text,
+from tidepool.entrypoints.llm_outputs import completions, prompt_text
+from tidepool.entrypoints.llm_scoring import (
+    check_score_prompts,
+    prompted_pairs,
+    score_by_embedding,
+    score_by_late_interaction,
 )
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import (
@@ -270,10 +262,12 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        prompt_name: str | None = None,
     ) -> list[SparseEmbeddingRequestOutput]:
         """Sparse embeddings of a SPLADE or BGE-M3 model: (token id, weight) pairs per prompt
         (`outputs.indices`, `outputs.values`; `outputs.tokens` the tokens as strings with
-        `return_tokens`). `max_active_dims` keeps the largest weights only (top-k)."""
+        `return_tokens`). `max_active_dims` keeps the largest weights only (top-k);
+        `prompt_name` as in `embed`."""
         check_task_supported(self.model_config, "embed_sparse")
         if max_active_dims is not None:
             base = pooling_params if isinstance(pooling_params, PoolingParams) else None
@@ -281,7 +275,12 @@ class LLM:
                 raise ValueError("give max_active_dims or a list of pooling_params, not both")
             pooling_params = replace(base or PoolingParams(), max_active_dims=max_active_dims)
         results, errors = self._encode_raw(
-            prompts, "embed_sparse", pooling_params, truncate_prompt_tokens, use_tqdm
+            prompts,
+            "embed_sparse",
+            pooling_params,
+            truncate_prompt_tokens,
+            use_tqdm,
+            prompt_name=prompt_name,
         )
         tokenizer = self.get_tokenizer() if return_tokens else None
         return self._finish(
@@ -310,23 +309,34 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
+        prompt_name: str | None = None,
+        document_prompt_name: str | None = None,
     ) -> list[ScoringRequestOutput]:
         """Relevance of each (data_1, data_2) pair: 1-to-N when data_1 has one item, else N-to-N.
 
         A cross-encoder reads each pair together; a ColBERT model scores MaxSim of the query's
         and the document's token vectors (data_1 encoded as queries, data_2 as documents); an
-        embedding model scores the cosine of the two embeddings.
+        embedding model scores the cosine of the two embeddings. `prompt_name` /
+        `document_prompt_name`: one of the model's prompts for the data_1 / data_2 side
+        (sentence-transformers' encode_query / encode_document, CrossEncoder.predict's
+        prompt_name before the first text; see entrypoints/llm_scoring.py).
         """
         check_task_supported(self.model_config, "score")
+        check_score_prompts(self.model_config, prompt_name, document_prompt_name)
         pairs = expand_score_pairs(_as_list(data_1, "data_1"), _as_list(data_2, "data_2"))
         rule = scoring_rule(self.model_config.task, self.model_config.multi_vector is not None)
-        if rule == "late_interaction":
-            return self._score_by_late_interaction(
-                pairs, pooling_params, truncate_prompt_tokens, use_tqdm
+
+        def encode(texts: list[Any], task: str, name: str | None):
+            return self._encode_raw(
+                texts, task, pooling_params, truncate_prompt_tokens, use_tqdm, prompt_name=name
             )
+
+        if rule == "late_interaction":
+            return score_by_late_interaction(pairs, encode)
         if rule == "cosine":
-            return self._score_by_embedding(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
+            return score_by_embedding(pairs, encode, prompt_name, document_prompt_name)
         params = self._params_list(len(pairs), pooling_params, "score", truncate_prompt_tokens)
+        pairs = prompted_pairs(self.model_config, pairs, prompt_name, document_prompt_name)
         items = self.input_processor.process_pairs(pairs, params)
         results, errors = self._run(items, use_tqdm)
         return self._finish(
@@ -336,57 +346,6 @@ class LLM:
                 r.request_id, r.prompt_token_ids, ScoringOutput(cross_encoder_score(r.outputs.data))
             ),
         )
-
-    def _score_by_embedding(
-        self,
-        pairs: list[tuple[Any, Any]],
-        pooling_params: PoolingParams | None,
-        truncate_prompt_tokens: int | None,
-        use_tqdm: bool,
-    ) -> list[ScoringRequestOutput]:
-        plan = plan_embedding_scores(pairs)
-        results, text_errors = self._encode_raw(
-            plan.texts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm
-        )
-        embeddings = [None if r is None else r.outputs.data for r in results]
-        scores = cosine_scores(embeddings, plan.pair_slots)
-        failures = pair_failures(plan.pair_slots, {e.index: e.message for e in text_errors})
-        outputs = pair_score_outputs(results, results, plan.pair_slots, scores)
-        if failures:
-            errors = [RequestError(i, message) for i, message in sorted(failures.items())]
-            raise BatchInputError(errors, outputs)
-        return outputs  # type: ignore[return-value]
-
-    def _score_by_late_interaction(
-        self,
-        pairs: list[tuple[Any, Any]],
-        pooling_params: PoolingParams | None,
-        truncate_prompt_tokens: int | None,
-        use_tqdm: bool,
-    ) -> list[ScoringRequestOutput]:
-        plan = plan_late_interaction_scores(pairs)
-        run = [
-            self._encode_raw(
-                texts,
-                "token_embed",
-                pooling_params,
-                truncate_prompt_tokens,
-                use_tqdm,
-                prompt_name=role,
-            )
-            for texts, role in ((plan.queries, "query"), (plan.documents, "document"))
-        ]
-        (queries, query_errors), (documents, document_errors) = run
-        scores = maxsim_scores(
-            [None if r is None else r.outputs.data for r in queries],
-            [None if r is None else r.outputs.data for r in documents],
-            plan.pair_slots,
-        )
-        failures = late_interaction_failures(plan.pair_slots, query_errors, document_errors)
-        outputs = pair_score_outputs(queries, documents, plan.pair_slots, scores)
-        if failures:
-            raise BatchInputError(failures, outputs)
-        return outputs  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ generation
 

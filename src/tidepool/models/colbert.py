@@ -20,7 +20,6 @@ Both normalize every token vector (PyLate's encode, colbert-ir's `normalize`).
 from __future__ import annotations
 
 import json
-import logging
 import string
 from dataclasses import replace
 from pathlib import Path
@@ -73,13 +72,6 @@ def load_multi_vector(
         dense = st.dense
     else:
         return None
-    if meta.do_query_expansion and not meta.attend_to_expansion_tokens:
-        logging.getLogger("tidepool").warning(
-            "%s: the query [MASK] tokens are not attended to in this ColBERT model; tidepool "
-            "attends them (its attention has no key mask yet), so query vectors and MaxSim "
-            "scores differ from PyLate / colbert-ir (documents are exact)",
-            path,
-        )
     # sentence_bert_config.json's max_seq_length is what PyLate used last (query or document
     # length minus one): the lengths here rule instead.
     return meta, replace(st, dense=dense, normalize=True, max_seq_length=None)

@@ -173,7 +173,7 @@ class FallbackEncoderModel(nn.Module):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         out: torch.Tensor | None = None
-        for start, lens in self._batches(attn_metadata):
+        for start, lens, keys in self._batches(attn_metadata):
             # ids / mask / types: [num_seqs, max_len], right-padded with the pad id.
             max_len, num_seqs = lens[0], len(lens)
             lens_t = torch.tensor(lens, device=input_ids.device)
@@ -183,7 +183,9 @@ class FallbackEncoderModel(nn.Module):
             index = torch.where(mask, starts[:, None] + slot[None, :], starts[:, None])
             ids = input_ids[index].masked_fill(~mask, self._pad_id)
             types = token_type_ids[index].masked_fill(~mask, 0)
-            states = self._body(ids, mask.long(), types)  # [num_seqs, max_len, hidden]
+            # The attention mask marks keys: a sequence's first key_lens[i] tokens (metadata.py).
+            attended = mask if keys is None else slot[None, :] < torch.tensor(keys)[:, None]
+            states = self._body(ids, attended.long(), types)  # [num_seqs, max_len, hidden]
             if out is None:
                 out = states.new_empty(input_ids.shape[0], states.shape[-1])
             end = start + sum(lens)
@@ -191,25 +193,32 @@ class FallbackEncoderModel(nn.Module):
         assert out is not None
         return out
 
-    def _batches(self, meta: EncoderAttentionMetadata) -> list[tuple[int, list[int]]]:
-        """(first flat token, lengths) per padded batch: the metadata's buckets of similar
-        length, or runs of equal length for a model that takes no attention mask."""
+    def _batches(
+        self, meta: EncoderAttentionMetadata
+    ) -> list[tuple[int, list[int], list[int] | None]]:
+        """(first flat token, lengths, key counts or None) per padded batch: the metadata's
+        buckets of similar length, or runs of equal length for a model that takes no attention
+        mask (and so cannot honour key counts)."""
         lens = meta.seq_lens
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
         if self._takes_mask:
             first_seq = {start: i for i, start in enumerate(starts)}
-            return [
-                (b.start, lens[first_seq[b.start] : first_seq[b.start] + b.num_seqs])
-                for b in meta.buckets
-            ]
+            batches = []
+            for b in meta.buckets:
+                i = first_seq[b.start]
+                keys = None if meta.key_lens is None else meta.key_lens[i : i + b.num_seqs]
+                batches.append((b.start, lens[i : i + b.num_seqs], keys))
+            return batches
+        if meta.key_lens is not None:
+            raise ValueError("a model without an attention mask cannot leave tokens unattended")
         batches, i = [], 0
         while i < len(lens):
             j = i
             while j < len(lens) and lens[j] == lens[i]:
                 j += 1
-            batches.append((starts[i], lens[i:j]))
+            batches.append((starts[i], lens[i:j], None))
             i = j
         return batches
 

@@ -26,6 +26,7 @@ from tidepool.kv_cache.spec import KVCacheConfig, group_layers, plan_kv_cache
 from tidepool.models.interfaces import DecoderModel, EncoderModel, LanguageModelHead
 from tidepool.models.registry import build_model
 from tidepool.params import PoolingParams
+from tidepool.request import Request
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
 from tidepool.worker.memory import NativeMemory
 from tidepool.worker.pooler import Pooler, PoolingMetadata
@@ -178,7 +179,11 @@ class ModelRunner:
         input_ids = input_ids.to(device, non_blocking=True)
         positions = positions.to(device, non_blocking=True)
         attn_meta = build_encoder_metadata(
-            seq_lens, device, num_heads=self.num_heads, dtype=self.config.model.dtype
+            seq_lens,
+            device,
+            num_heads=self.num_heads,
+            dtype=self.config.model.dtype,
+            key_lens=_key_lens(requests),
         )
         params: list[PoolingParams] = [r.pooling_params for r in requests]  # type: ignore[misc]
         model = cast(EncoderModel, self.model)  # _check_contract: not causal → EncoderModel
@@ -274,6 +279,13 @@ def _check_contract(model: Any, config: ModelConfig) -> EncoderModel | DecoderMo
     if config.runner_type == "generate" and not isinstance(model, LanguageModelHead):
         raise TypeError(f"{type(model).__name__} has no LM head (compute_logits) to generate with")
     return cast(EncoderModel | DecoderModel, model)
+
+
+def _key_lens(requests: list[Request]) -> list[int] | None:
+    """Each prompt's number of keys (metadata.key_lens), or None when every token is one."""
+    if all(r.num_attended_tokens is None for r in requests):
+        return None
+    return [r.num_attended_tokens or r.num_prompt_tokens for r in requests]
 
 
 def _stop_token_ids(request) -> list[int]:

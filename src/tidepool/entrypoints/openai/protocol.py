@@ -20,7 +20,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    RootModel,
     Strict,
     StrictBool,
     StrictInt,
@@ -157,30 +156,6 @@ class PoolingResponseData(OpenAIBaseModel):
 class PoolingResponse(_ListResponse):
     id: str = Field(default_factory=lambda: random_id("pool"))
     data: list[PoolingResponseData]
-
-
-class EmbedSparseRequest(OpenAIBaseModel):
-    """TEI's /embed_sparse request."""
-
-    inputs: Any
-    """A string or a list of strings (token ids also accepted)."""
-    truncate: Bool = False
-    """Cut inputs longer than the model's maximum (else they are a 400)."""
-    truncation_direction: Str = "Right"
-    model: Str | None = None
-    max_active_dims: Int | None = None
-    """Keep the largest this many weights of each input (sentence-transformers' name)."""
-
-
-class SparseValue(OpenAIBaseModel):
-    index: int
-    """The token id."""
-    value: float
-    """Its weight (> 0)."""
-
-
-class EmbedSparseResponse(RootModel[list[list[SparseValue]]]):
-    """TEI's /embed_sparse answer: per input, its non-zero (token id, weight) pairs."""
 
 
 # ---------------------------------------------------------------------- classify

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, RootModel
 
-from tidepool.entrypoints.openai.protocol import Bool, Int, Str
+from tidepool.entrypoints.openai.protocol import Bool, Int, OpenAIBaseModel, Str
 
 TruncationDirection = Literal["Left", "Right"]
 """TEI's names: Right cuts the end of a long text, Left its start."""
@@ -86,3 +86,33 @@ class TeiToken(TeiBaseModel):
 class TeiError(TeiBaseModel):
     error: str
     error_type: Literal["Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty"]
+
+
+# /embed_sparse: TEI's shape, checked as strictly as the OpenAI routes (OpenAIBaseModel).
+
+
+class EmbedSparseRequest(OpenAIBaseModel):
+    """TEI's /embed_sparse request."""
+
+    inputs: Any
+    """A string or a list of strings (token ids also accepted)."""
+    truncate: Bool = False
+    """Cut inputs longer than the model's maximum (else they are a 400)."""
+    truncation_direction: Str = "Right"
+    model: Str | None = None
+    max_active_dims: Int | None = None
+    """Keep the largest this many weights of each input (sentence-transformers' name)."""
+    prompt_name: Str | None = None
+    """One of the model's prompts put before each text (TEI's field, as on /embed); None: its
+    default_prompt_name."""
+
+
+class SparseValue(OpenAIBaseModel):
+    index: int
+    """The token id."""
+    value: float
+    """Its weight (> 0)."""
+
+
+class EmbedSparseResponse(RootModel[list[list[SparseValue]]]):
+    """TEI's /embed_sparse answer: per input, its non-zero (token id, weight) pairs."""

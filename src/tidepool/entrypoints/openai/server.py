@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 import tidepool
 from tidepool.engine.async_engine import AsyncEngine
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai import protocol_tei as pt
 from tidepool.entrypoints.openai.admission import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     Admission,
@@ -264,7 +265,7 @@ def _add_routes(
     engine_route("/v1/embeddings", lambda m: m.serving.embed, p.EmbeddingRequest)
     engine_route("/pooling", lambda m: m.serving.pool, p.PoolingRequest)
     engine_route("/classify", lambda m: m.serving.classify, p.ClassificationRequest)
-    engine_route("/embed_sparse", lambda m: m.sparse.embed_sparse, p.EmbedSparseRequest)
+    engine_route("/embed_sparse", lambda m: m.sparse.embed_sparse, pt.EmbedSparseRequest)
     for path in ("/score", "/v1/score"):
         engine_route(path, lambda m: m.serving.score, p.ScoreRequest)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

@@ -1,7 +1,7 @@
 """Outputs beyond one vector per input: TEI's /embed_sparse, sparse and per-token data on
 /pooling, and per-token labels on /classify (token classification models).
 
-    /embed_sparse  {"inputs": "text" | [...], "truncate": false}
+    /embed_sparse  {"inputs": "text" | [...], "truncate": false, "prompt_name": null}
                    → [[{"index": token id, "value": weight}, ...], ...]   (TEI's shape)
     /pooling       task "embed_sparse" → data [{"index", "value"}, ...] per input;
                    task "token_classify" → data [num_tokens][num_labels] per input (vLLM's)
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.entrypoints.openai import protocol_tei as pt
 from tidepool.entrypoints.openai.errors import ApiError
 from tidepool.outputs import PoolingRequestOutput, sparse_pairs
 
@@ -24,10 +25,10 @@ if TYPE_CHECKING:
     from tidepool.entrypoints.openai.serving import OpenAIServing
 
 
-def sparse_values(data: torch.Tensor) -> list[p.SparseValue]:
+def sparse_values(data: torch.Tensor) -> list[pt.SparseValue]:
     """A sparse [vocab] output → TEI's [{"index": id, "value": weight}, ...] (ids ascending)."""
     ids, values = sparse_pairs(data)
-    return [p.SparseValue(index=i, value=v) for i, v in zip(ids, values, strict=True)]
+    return [pt.SparseValue(index=i, value=v) for i, v in zip(ids, values, strict=True)]
 
 
 def sparse_pooling_data(data: torch.Tensor, encoding_format: str) -> list[dict]:
@@ -62,7 +63,7 @@ class OpenAIServingSparse:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def embed_sparse(self, req: p.EmbedSparseRequest) -> p.EmbedSparseResponse:
+    async def embed_sparse(self, req: pt.EmbedSparseRequest) -> pt.EmbedSparseResponse:
         serving = self.serving
         serving.model_name(req.model)
         serving._check_task("embed_sparse", "Sparse embeddings (/embed_sparse)")
@@ -75,6 +76,7 @@ class OpenAIServingSparse:
             task="embed_sparse",
             truncate_prompt_tokens=-1 if req.truncate else None,
             max_active_dims=req.max_active_dims,
+            prompt_name=req.prompt_name,
             param="inputs",
         )
-        return p.EmbedSparseResponse([sparse_values(o.outputs.data) for o in outputs])
+        return pt.EmbedSparseResponse([sparse_values(o.outputs.data) for o in outputs])
