@@ -39,6 +39,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Disentangled attention (content and relative-position terms), on padded buckets.
     "DebertaV2Model": ("deberta_v2", "DebertaV2Model"),
     "DebertaV2ForSequenceClassification": ("deberta_v2", "DebertaV2ForSequenceClassification"),
+    "DebertaV2ForTokenClassification": ("deberta_v2", "DebertaV2ForTokenClassification"),
     # Causal decoders: the bare body embeds (LAST pooling), *ForCausalLM adds the LM head.
     "LlamaModel": ("llama", "LlamaModel"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
