@@ -11,6 +11,9 @@ forward takes no attention mask (FNet mixes tokens with a Fourier transform) run
 length only, so padding never changes an output. Unpacked: slower than the two paths above,
 equal to sentence-transformers (which runs the same code on the same padded batches).
 
+model_impl="auto" also falls back at load when the backend passes its checks but its first
+forward raises (backend_or_fallback: an 8-token dry run), with the same one warning line.
+
 Refused: remote code without trust_remote_code=True (resolve_hf_class), generation (the runner's
 decoder path needs a KV cache the HF model does not share), and models whose outputs tidepool
 cannot pool: those that return no per-token states [batch, tokens, hidden] (a downsampling
@@ -29,7 +32,7 @@ from torch import nn
 
 from tidepool.attention import cpu_kernels
 from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
-from tidepool.attention.metadata import EncoderAttentionMetadata
+from tidepool.attention.metadata import EncoderAttentionMetadata, build_encoder_metadata
 from tidepool.config import ModelConfig
 from tidepool.models.transformers_backend import (
     _position_offset,
@@ -75,6 +78,39 @@ def inspect_fallback(
         reason,
     )
     return FallbackInfo(hf_class, _position_offset(hf_model.base_model))
+
+
+def backend_or_fallback(backend_model: nn.Module, config: ModelConfig) -> nn.Module:
+    """model_impl="auto" on the transformers backend (an encoder): one 8-token forward now, and
+    the fallback (one warning line) where it raises, instead of an error at the first request.
+    Some models pass the backend's checks on the meta device and fail only with real tensors
+    (an attention call with arguments tidepool's interface does not take, a shape it assumes)."""
+    try:
+        _dry_forward(backend_model, config)
+    except Exception as e:
+        logger.warning(
+            "%s runs on the fallback, unpacked (its own attention on padded batches, slower): "
+            "the transformers backend failed at its first forward (%s: %s)",
+            config.architecture,
+            type(e).__name__,
+            e,
+        )
+        del backend_model
+        return build_fallback_model(config)
+    return backend_model
+
+
+@torch.inference_mode()
+def _dry_forward(model: nn.Module, config: ModelConfig) -> None:
+    """8 tokens through the encoder (and its classifier head), as the runner calls them."""
+    pad = getattr(config.hf_config, "pad_token_id", None)
+    input_ids = torch.arange(8, device=config.device) + (0 if pad is None else int(pad)) + 1
+    positions = torch.arange(8, device=config.device)
+    heads = int(getattr(config.hf_config, "num_attention_heads", None) or 1)
+    meta = build_encoder_metadata([8], config.device, num_heads=heads, dtype=config.dtype)
+    hidden = model(input_ids, positions, meta)
+    if config.task == "classify" and config.output_head == "task":
+        model.compute_logits(hidden[:1])  # type: ignore[operator]
 
 
 def build_fallback_model(config: ModelConfig) -> FallbackEncoderModel:

@@ -61,6 +61,8 @@ class ResolvedModel:
     """config.OUTPUT_HEADS: "task", "splade", "bge_m3" or "token_classifier"."""
     sparse: SparseHeadConfig | None = None
     """The sparse head's settings (SPLADE pooling, BGE-M3's skipped tokens)."""
+    fallback_on_forward_error: bool = False
+    """ModelConfig.fallback_on_forward_error: auto's last step, taken at load."""
 
 
 def build_model_config(
@@ -117,6 +119,7 @@ def build_model_config(
         output_head=resolved.output_head,
         sparse=resolved.sparse,
         multi_vector=multi_vector,
+        fallback_on_forward_error=resolved.fallback_on_forward_error,
     )
 
 
@@ -152,8 +155,17 @@ def resolve_model(
     if impl == "transformers":
         try:
             info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
+            # auto, an encoder: a backend that fails at its first forward falls back at load.
+            fallback_ok = model_impl == "auto" and not info.is_causal
             return ResolvedModel(
-                task, arch, impl, info.is_causal, info.position_offset, output_head, sparse
+                task,
+                arch,
+                impl,
+                info.is_causal,
+                info.position_offset,
+                output_head,
+                sparse,
+                fallback_ok,
             )
         except UnsupportedAttentionError as e:
             if model_impl != "auto" or task == "generate":
