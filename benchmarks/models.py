@@ -180,15 +180,20 @@ def section_embed(folder: Path, texts: list[str], rounds: int, model_impl: str) 
     llm = LLM(str(folder), device="cpu", dtype="float32", model_impl=model_impl)
     st = SentenceTransformer(str(folder), device="cpu")
     name = f"tidepool {model_impl}"
-    ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+
+    # truncate_prompt_tokens=-1: cut at max_model_len, as sentence-transformers does.
+    def embed(batch: list[str]) -> list:
+        return llm.embed(batch, truncate_prompt_tokens=-1, use_tqdm=False)
+
+    ours = torch.tensor([o.outputs.embedding for o in embed(texts)])
     theirs = torch.from_numpy(st.encode(texts, convert_to_numpy=True))
     cos = torch.nn.functional.cosine_similarity(ours, theirs).min()
     print(f"  agreement: worst cosine {float(cos):.7f}")
-    num_tokens = sum(len(p.prompt_token_ids) for p in llm.embed(texts[:64], use_tqdm=False))
+    num_tokens = sum(len(p.prompt_token_ids) for p in embed(texts[:64]))
     num_tokens = int(num_tokens * len(texts) / min(64, len(texts)))
     times = alternate(
         {
-            name: lambda: llm.embed(texts, use_tqdm=False),
+            name: lambda: embed(texts),
             "sentence-transformers": lambda: st.encode(texts, batch_size=32),
         },
         rounds,

@@ -163,9 +163,6 @@ class ModelConfig:
     on padded batches: models/fallback.py)."""
     trust_remote_code: bool = False
     """The transformers backend may run modeling code shipped in the model folder."""
-    fallback_on_forward_error: bool = False
-    """model_impl="auto" chose the transformers backend for an encoder: where its first forward
-    (one short dry run at load) raises, the model moves to the fallback (models/fallback.py)."""
     output_head: str = "task"
     """The head outputs come from (OUTPUT_HEADS): "task" (the task's own: embeddings, sequence
     logits, LM logits), "splade" (an MLM head, SPLADE-pooled), "bge_m3" (dense + sparse +

@@ -137,7 +137,7 @@ def test_model_whose_outputs_cannot_be_pooled_is_refused(tmp_path, minilm_path):
 
 def test_backend_failing_at_first_forward_falls_back(fallback_path, monkeypatch, caplog):
     """A model that passes the backend's checks on the meta device but whose forward raises with
-    real tensors: auto falls back at load (an 8-token dry run) with one warning line;
+    real tensors: auto falls back (an 8-token dry run at resolve time) with one warning line;
     model_impl="transformers" stays strict (the error comes at the first request)."""
     from sentence_transformers import SentenceTransformer
 
@@ -152,6 +152,7 @@ def test_backend_failing_at_first_forward_falls_back(fallback_path, monkeypatch,
     monkeypatch.setattr(TransformersEncoderModel, "forward", broken)
     with caplog.at_level(logging.WARNING, logger="tidepool"):
         llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.model_config.model_impl == "fallback"
     assert type(llm.engine.model_runner.model).__name__ == "FallbackEncoderModel"
     warnings = [r.getMessage() for r in caplog.records if "fallback" in r.getMessage()]
     assert len(warnings) == 1, warnings

@@ -11,8 +11,8 @@ forward takes no attention mask (FNet mixes tokens with a Fourier transform) run
 length only, so padding never changes an output. Unpacked: slower than the two paths above,
 equal to sentence-transformers (which runs the same code on the same padded batches).
 
-model_impl="auto" also falls back at load when the backend passes its checks but its first
-forward raises (backend_or_fallback: an 8-token dry run), with the same one warning line.
+model_impl="auto" also falls back when the backend passes its checks but its first forward raises
+(fallback_if_backend_fails: an 8-token dry run at resolve time), with the same one warning line.
 
 Refused: remote code without trust_remote_code=True (resolve_hf_class), generation (the runner's
 decoder path needs a KV cache the HF model does not share), and models whose outputs tidepool
@@ -22,6 +22,7 @@ encoder such as FunnelBaseModel, a vision or audio model), found by an 8-token d
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from tidepool.config import ModelConfig
 from tidepool.models.transformers_backend import (
     _position_offset,
     _use_packed_linears,
+    build_transformers_model,
     check_transformers_version,
     resolve_hf_class,
 )
@@ -80,24 +82,20 @@ def inspect_fallback(
     return FallbackInfo(hf_class, _position_offset(hf_model.base_model))
 
 
-def backend_or_fallback(backend_model: nn.Module, config: ModelConfig) -> nn.Module:
-    """model_impl="auto" on the transformers backend (an encoder): one 8-token forward now, and
-    the fallback (one warning line) where it raises, instead of an error at the first request.
-    Some models pass the backend's checks on the meta device and fail only with real tensors
-    (an attention call with arguments tidepool's interface does not take, a shape it assumes)."""
+def fallback_if_backend_fails(config: ModelConfig) -> ModelConfig:
+    """model_impl="auto" chose the transformers backend for an encoder: one 8-token forward of
+    the backend's model, built uninitialized (nothing read from the checkpoint); where it raises,
+    `config` moves to the fallback, with its one warning line, before the model is built. Some
+    models pass the backend's checks on the meta device and fail only with real tensors (an
+    attention call with arguments tidepool's interface does not take, a shape it assumes)."""
     try:
-        _dry_forward(backend_model, config)
+        _dry_forward(build_transformers_model(config, with_weights=False), config)
     except Exception as e:
-        logger.warning(
-            "%s runs on the fallback, unpacked (its own attention on padded batches, slower): "
-            "the transformers backend failed at its first forward (%s: %s)",
-            config.architecture,
-            type(e).__name__,
-            e,
-        )
-        del backend_model
-        return build_fallback_model(config)
-    return backend_model
+        reason = f"the transformers backend failed at its first forward ({type(e).__name__}: {e})"
+        args = (config.hf_config, config.path, config.trust_remote_code, reason)
+        inspect_fallback(config.architecture, config.task, *args)
+        return dataclasses.replace(config, model_impl="fallback")
+    return config
 
 
 @torch.inference_mode()

@@ -116,12 +116,7 @@ def build_model(config: ModelConfig) -> nn.Module:
     if config.model_impl == "transformers":
         from tidepool.models.transformers_backend import build_transformers_model
 
-        backend_model = build_transformers_model(config)
-        if not config.fallback_on_forward_error:
-            return backend_model
-        from tidepool.models.fallback import backend_or_fallback
-
-        return backend_or_fallback(backend_model, config)
+        return build_transformers_model(config)
     if config.model_impl == "fallback":
         from tidepool.models.fallback import build_fallback_model
 

@@ -62,7 +62,8 @@ class ResolvedModel:
     sparse: SparseHeadConfig | None = None
     """The sparse head's settings (SPLADE pooling, BGE-M3's skipped tokens)."""
     fallback_on_forward_error: bool = False
-    """ModelConfig.fallback_on_forward_error: auto's last step, taken at load."""
+    """auto chose the transformers backend for an encoder: a dry forward decides whether the
+    fallback runs it instead (models/fallback.py: fallback_if_backend_fails)."""
 
 
 def build_model_config(
@@ -101,7 +102,7 @@ def build_model_config(
     ):
         multi_vector, st = found
     torch_device = torch.device(device) if device else default_device()
-    return ModelConfig(
+    config = ModelConfig(
         model=str(model),
         path=path,
         hf_config=hf_config,
@@ -119,8 +120,12 @@ def build_model_config(
         output_head=resolved.output_head,
         sparse=resolved.sparse,
         multi_vector=multi_vector,
-        fallback_on_forward_error=resolved.fallback_on_forward_error,
     )
+    if resolved.fallback_on_forward_error:
+        from tidepool.models.fallback import fallback_if_backend_fails
+
+        config = fallback_if_backend_fails(config)
+    return config
 
 
 def resolve_model(
