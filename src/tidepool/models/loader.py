@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -172,14 +173,14 @@ def _load_dense(folder: Path) -> DenseModule:
 _UNSET_MODEL_MAX_LENGTH = 1_000_000
 
 
-def _max_seq_length(folder: Path, bert_cfg: dict) -> int | None:
+def _max_seq_length(folder: Path, bert_cfg: Any) -> int | None:
     """sentence_bert_config.json's max_seq_length; sentence-transformers >= 6 no longer writes it
     there but keeps it as the tokenizer's model_max_length, which every version truncates at when
     the key is absent (sentence-t5 / T5 folders have no max_position_embeddings to cap it)."""
     value = bert_cfg.get("max_seq_length")
     if value is None:
-        tokenizer_cfg = _read_json(folder / "tokenizer_config.json") or {}
-        value = tokenizer_cfg.get("model_max_length")
+        tokenizer_cfg = _read_json(folder / "tokenizer_config.json")
+        value = tokenizer_cfg.get("model_max_length") if isinstance(tokenizer_cfg, dict) else None
         if not isinstance(value, (int, float)) or value >= _UNSET_MODEL_MAX_LENGTH:
             return None
     return int(value) if value else None

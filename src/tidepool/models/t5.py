@@ -49,7 +49,11 @@ class T5SelfAttention(nn.Module):
         """Set by T5EncoderModel.set_attention_backend (the loader's choice)."""
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor, meta: EncoderAttentionMetadata, bias
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+        bias: RelativePositionBias,
     ) -> torch.Tensor:
         """x: the normed states [num_slots, d_model] → residual + attention output."""
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
