@@ -173,12 +173,12 @@ def _load_dense(folder: Path) -> DenseModule:
 _UNSET_MODEL_MAX_LENGTH = 1_000_000
 
 
-def _max_seq_length(folder: Path, bert_cfg: Any) -> int | None:
+def _max_seq_length(folder: Path, bert_cfg: Any, is_sentence_transformer: bool) -> int | None:
     """sentence_bert_config.json's max_seq_length; sentence-transformers >= 6 no longer writes it
     there but keeps it as the tokenizer's model_max_length, which every version truncates at when
     the key is absent (sentence-t5 / T5 folders have no max_position_embeddings to cap it)."""
     value = bert_cfg.get("max_seq_length")
-    if value is None:
+    if value is None and is_sentence_transformer:
         tokenizer_cfg = _read_json(folder / "tokenizer_config.json")
         value = tokenizer_cfg.get("model_max_length") if isinstance(tokenizer_cfg, dict) else None
         if not isinstance(value, (int, float)) or value >= _UNSET_MODEL_MAX_LENGTH:
@@ -217,7 +217,7 @@ def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
             dense.append(_load_dense(mpath))
         elif mtype.endswith("Normalize"):
             normalize = True
-    max_len = _max_seq_length(folder, bert_cfg) if modules is not None else None
+    max_len = _max_seq_length(folder, bert_cfg, is_sentence_transformer=modules is not None)
     return SentenceTransformersMeta(
         pooling_mode=pooling_mode,
         include_prompt=include_prompt,
