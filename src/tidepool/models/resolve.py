@@ -160,7 +160,7 @@ def resolve_model(
     if impl == "transformers":
         try:
             info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
-            # auto, an encoder: a backend that fails at its first forward falls back at load.
+            # auto, an encoder: a backend whose first forward fails falls back before loading.
             fallback_ok = model_impl == "auto" and not info.is_causal
             return ResolvedModel(
                 task,
