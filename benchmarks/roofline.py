@@ -31,7 +31,9 @@ class EncoderShape:
 
     @classmethod
     def from_hf_config(cls, config) -> EncoderShape:
-        return cls(config.hidden_size, config.intermediate_size, config.num_hidden_layers)
+        # T5 names them d_ff / num_layers (its config aliases hidden_size to d_model)
+        intermediate = getattr(config, "intermediate_size", None) or config.d_ff
+        return cls(config.hidden_size, intermediate, config.num_hidden_layers)
 
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(in, out) of one layer's GEMMs: fused QKV, attention output, FFN up, FFN down."""

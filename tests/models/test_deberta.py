@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import TINY_TEXTS, copy_bert_tokenizer, write_st_pooling
+from sparse_models import NER_LABELS
 
 from tidepool import LLM, PoolingParams
 
@@ -49,6 +50,8 @@ V2 = dict(
     num_labels=1,
 )
 
+NER = dict(V3, num_labels=len(NER_LABELS), id2label=NER_LABELS)
+
 
 @pytest.fixture(scope="module")
 def deberta_paths(tmp_path_factory, minilm_path) -> dict[str, Path]:
@@ -58,6 +61,7 @@ def deberta_paths(tmp_path_factory, minilm_path) -> dict[str, Path]:
         [
             ("embed", V3, transformers.DebertaV2Model),
             ("score", V2, transformers.DebertaV2ForSequenceClassification),
+            ("ner", NER, transformers.DebertaV2ForTokenClassification),
         ]
     ):
         folder = root / kind
@@ -110,3 +114,51 @@ def test_cross_encoder_scores_match_sentence_transformers(deberta_paths):
     pairs = zip(queries, docs, strict=True)
     alone = torch.tensor([llm.score(q, d, use_tqdm=False)[0].outputs.score for q, d in pairs])
     assert (alone - got).abs().max() <= 1e-5
+
+
+def test_token_classification_matches_transformers(deberta_paths, report_tolerance):
+    path = deberta_paths["ner"]
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.model_config.model_impl == "native"
+    assert llm.model_config.pooling_tasks == ("token_classify",)
+    assert type(llm.engine.model_runner.model).__name__ == "DebertaV2ForTokenClassification"
+    logits = PoolingParams(activation=False)
+    outputs = llm.encode(TINY_TEXTS, logits, pooling_task="token_classify", use_tqdm=False)
+    model = transformers.DebertaV2ForTokenClassification.from_pretrained(str(path)).eval()
+    for out in outputs:
+        with torch.no_grad():
+            expected = model(input_ids=torch.tensor([out.prompt_token_ids])).logits[0]
+        assert out.outputs.data.shape == (len(out.prompt_token_ids), len(NER_LABELS))
+        torch.testing.assert_close(out.outputs.data, expected, atol=1e-5, rtol=0)
+        report_tolerance("tiny DeBERTa-v3 token classify", out.outputs.data, expected)
+    # Batch invariance: alone equals batched, and different tokens get different logits.
+    assert not torch.allclose(outputs[1].outputs.data[1], outputs[1].outputs.data[2], atol=1e-3)
+    for text, out in zip(TINY_TEXTS, outputs, strict=True):
+        alone = llm.encode([text], logits, pooling_task="token_classify", use_tqdm=False)[0]
+        torch.testing.assert_close(alone.outputs.data, out.outputs.data, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["score", "ner"])  # v2 (clamp, token types), v3 (buckets)
+@torch.inference_mode()
+def test_first_token_rows_equal_full_forward(kind, deberta_paths):
+    """The CLS-only last layer: each sequence's first row equals the full forward's (the
+    position terms gathered for query row 0 only), on several buckets with padding."""
+    from tidepool.attention.metadata import build_encoder_metadata
+
+    llm = LLM(str(deberta_paths[kind]), device="cpu", dtype="float32")
+    body = llm.engine.model_runner.model.body
+    seq_lens = [41, 40, 37, 36, 22, 21, 19, 9, 8, 8, 3, 1]
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1000, 30000, (sum(seq_lens),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in seq_lens])
+    token_types = torch.cat([(torch.arange(n) >= n // 2).long() for n in seq_lens])
+    token_types = token_types if kind == "score" else None
+    meta = build_encoder_metadata(seq_lens, torch.device("cpu"), num_heads=2, dtype=torch.float32)
+    assert len(meta.buckets) >= 4 and any(b.key_mask is not None for b in meta.buckets)
+    full = body(input_ids, positions, meta, token_types)
+    fast = body(input_ids, positions, meta, token_types, first_token_only=True)
+    expected = full.index_select(0, meta.cu_seqlens[:-1])
+    assert fast.shape == expected.shape
+    assert (fast - expected).abs().max() <= 1e-5
+    second = full[meta.cu_seqlens[:-1][torch.tensor(seq_lens) > 1] + 1]
+    assert (second - expected[torch.tensor(seq_lens) > 1]).abs().max() > 1e-2  # rows differ

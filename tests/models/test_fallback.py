@@ -38,6 +38,10 @@ MODELS = {
             initializer_range=0.2,
         )
     ),
+    # On the transformers backend; test_backend_failing_at_first_forward_falls_back breaks it.
+    "electra": lambda: transformers.ElectraModel(
+        transformers.ElectraConfig(vocab_size=30522, embedding_size=32, **TINY_SIZES)
+    ),
     "roformer-classifier": lambda: transformers.RoFormerForSequenceClassification(
         transformers.RoFormerConfig(vocab_size=30522, embedding_size=32, num_labels=1, **TINY_SIZES)
     ),
@@ -129,3 +133,34 @@ def test_model_whose_outputs_cannot_be_pooled_is_refused(tmp_path, minilm_path):
     transformers.FunnelBaseModel(config).save_pretrained(str(tmp_path))
     with pytest.raises(UnpoolableModelError, match="not one state per token"):
         LLM(str(tmp_path), device="cpu", model_impl="fallback")
+
+
+def test_backend_failing_at_first_forward_falls_back(fallback_path, monkeypatch, caplog):
+    """A model that passes the backend's checks on the meta device but whose forward raises with
+    real tensors: auto falls back (an 8-token dry run at resolve time) with one warning line;
+    model_impl="transformers" stays strict (the error comes at the first request)."""
+    from sentence_transformers import SentenceTransformer
+
+    from tidepool.models.transformers_wrappers import TransformersEncoderModel
+
+    path = fallback_path("electra")
+    assert type(LLM(str(path), device="cpu").engine.model_runner.model) is TransformersEncoderModel
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("simulated attention failure")
+
+    monkeypatch.setattr(TransformersEncoderModel, "forward", broken)
+    with caplog.at_level(logging.WARNING, logger="tidepool"):
+        llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.model_config.model_impl == "fallback"
+    assert type(llm.engine.model_runner.model).__name__ == "FallbackEncoderModel"
+    warnings = [r.getMessage() for r in caplog.records if "fallback" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "ElectraModel" in warnings[0] and "simulated attention failure" in warnings[0]
+    expected = torch.from_numpy(SentenceTransformer(str(path), device="cpu").encode(TINY_TEXTS))
+    got = _embed(llm, TINY_TEXTS)
+    assert F.cosine_similarity(got, expected).min() >= 0.99999
+    assert (got - expected).abs().max() <= 1e-5
+    strict = LLM(str(path), device="cpu", model_impl="transformers")
+    with pytest.raises(RuntimeError, match="simulated attention failure"):
+        strict.embed(TINY_TEXTS[:1], use_tqdm=False)

@@ -224,6 +224,23 @@ def test_dense_and_normalize_modules(tmp_path):
     assert not load_sentence_transformers_meta(plain).is_sentence_transformer
 
 
+@pytest.mark.parametrize(
+    ("bert_cfg", "model_max_length", "expected"),
+    [
+        ({"max_seq_length": 128}, 40, 128),  # sentence_bert_config.json wins
+        ({}, 40, 40),  # sentence-transformers >= 6: the tokenizer's model_max_length
+        ({}, 1e30, None),  # transformers' "unset" (VERY_LARGE_INTEGER)
+        ({}, None, None),
+    ],
+)
+def test_max_seq_length_sources(tmp_path, bert_cfg, model_max_length, expected):
+    _write_modules(tmp_path, {"pooling_mode": "mean"}, None, False)
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps(bert_cfg))
+    tokenizer_cfg = {} if model_max_length is None else {"model_max_length": model_max_length}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_cfg))
+    assert load_sentence_transformers_meta(tmp_path).max_seq_length == expected
+
+
 # ----------------------------------------------------------------------------- engine arguments
 
 

@@ -1,5 +1,5 @@
-"""An additive attention-score bias that depends only on the key - query distance (MPNet's
-bucketed relative position bias), built once per step and shared by every layer.
+"""An additive attention-score bias that depends only on the key - query distance (the bucketed
+relative position bias of T5 and MPNet), built once per step and shared by every layer.
 
 The model keeps a [num_buckets, heads] table; per step it is expanded, through the bucket of each
 distance, into one row of biases per head over the distances the step can have:
@@ -14,6 +14,7 @@ and 32-wide vectors past the last key and runs query tiles of 8 rows past the la
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,29 @@ import torch
 # of 8 rows, key blocks of 32): columns before offset - max_len and after offset + max_len.
 _QUERY_SLACK = 7
 _KEY_SLACK = 32
+
+
+def bidirectional_bucket(
+    relative_position: torch.Tensor, num_buckets: int = 32, max_distance: int = 128
+) -> torch.Tensor:
+    """key - query distance (int64) → bucket, with the integer arithmetic and float32 log of
+    transformers' T5Attention._relative_position_bucket (bidirectional; MPNet's is the same
+    function): half the buckets per direction (keys after the query in the upper half), exact up
+    to num_buckets / 4, logarithmic up to max_distance, the last bucket beyond.
+
+    Worked example, 8 buckets, max_distance 16 (max_exact 2): distances 0, -1 → 0, 1; -2..-5 → 2
+    and -6 onwards → 3 (2 + log(|d| / 2) / log(8) * 2, rounded down, capped at 3); keys after
+    the query take the upper half: +1 → 5, +2..+5 → 6, +6 onwards → 7."""
+    half = num_buckets // 2
+    ret = (relative_position > 0).to(torch.long) * half
+    n = relative_position.abs()
+    max_exact = half // 2
+    is_small = n < max_exact
+    val_if_large = max_exact + (
+        torch.log(n.float() / max_exact) / math.log(max_distance / max_exact) * (half - max_exact)
+    ).to(torch.long)
+    val_if_large = torch.clamp(val_if_large, max=half - 1)
+    return ret + torch.where(is_small, n, val_if_large)
 
 
 @dataclass(frozen=True)

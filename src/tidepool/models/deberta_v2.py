@@ -27,8 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
-from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata, pad_buckets
+from tidepool.attention.metadata import (
+    AttentionBucket,
+    EncoderAttentionMetadata,
+    first_token_slots,
+    pad_buckets,
+)
 from tidepool.models.bert import BertDenseLayerNorm, BertIntermediate, EncoderWithHead
+from tidepool.models.heads import BertForTokenClassification
 from tidepool.models.layers.activation import get_activation
 from tidepool.models.layers.linear import Linear
 from tidepool.models.weights import load_fused_weights
@@ -137,10 +143,15 @@ class DisentangledSelfAttention(nn.Module):
         meta: EncoderAttentionMetadata,
         rows: RelativeRows | None,
         rel: torch.Tensor | None,
+        first_only: bool = False,
     ) -> torch.Tensor:
-        """x: [num_slots, hidden] on the padded layout → [num_slots, heads * head_dim]."""
+        """x: [num_slots, hidden] on the padded layout → [num_slots, heads * head_dim]; with
+        `first_only`, [num_seqs, heads * head_dim]: the queries at each sequence's first slot."""
         qkv = self.qkv(x)
         pk, pq = (None, None) if rel is None else self._position_heads(rel)
+        if first_only:
+            buckets = meta.buckets
+            return torch.cat([self._attend_bucket(qkv, b, rows, pk, pq, True) for b in buckets])
         out = x.new_empty(x.shape[0], self.num_heads * self.head_dim)
         for bucket in meta.buckets:
             out[bucket.start : bucket.end] = self._attend_bucket(qkv, bucket, rows, pk, pq)
@@ -153,16 +164,21 @@ class DisentangledSelfAttention(nn.Module):
         rows: RelativeRows | None,
         pk: torch.Tensor | None,
         pq: torch.Tensor | None,
+        first_only: bool = False,
     ) -> torch.Tensor:
+        """One bucket's attention → [n * L, H * D]; with `first_only`, [n, H * D] (the queries
+        at each sequence's first slot: its rows of the position terms only)."""
         n, length, heads, dim = bucket.num_seqs, bucket.max_len, self.num_heads, self.head_dim
-        # [n * L, 3 * H * D] → q, k, v: [n, H, L, D]
+        num_queries = 1 if first_only else length
+        # [n * L, 3 * H * D] → q, k, v: [n, H, L, D]; q: [n, H, num_queries, D]
         block = qkv[bucket.start : bucket.end].view(n, length, 3, heads, dim)
         q, k, v = block.permute(2, 0, 3, 1, 4).unbind(0)
+        q = q[:, :, :num_queries]
         mask: torch.Tensor | None = None
         if rows is not None:
             index, used = rows.for_length(length)
-            index = index.expand(n, heads, length, length)
-            mask = torch.zeros(n, heads, length, length, dtype=q.dtype, device=q.device)
+            index = index[:num_queries].expand(n, heads, num_queries, length)
+            mask = torch.zeros(n, heads, num_queries, length, dtype=q.dtype, device=q.device)
             if pk is not None:  # content→position: q_i · pk[r(i, j)]
                 mask += torch.matmul(q, pk[:, used].transpose(-1, -2)).gather(-1, index)
             if pq is not None:  # position→content: k_j · pq[r(i, j)], r(i, j) = index.T[j, i]
@@ -174,7 +190,7 @@ class DisentangledSelfAttention(nn.Module):
         elif bucket.key_mask is not None:
             mask = bucket.key_mask
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return o.transpose(1, 2).reshape(n * length, heads * dim)
+        return o.transpose(1, 2).reshape(n * num_queries, heads * dim)
 
 
 class DebertaV2Attention(nn.Module):
@@ -193,6 +209,14 @@ class DebertaV2Layer(nn.Module):
 
     def forward(self, x, meta, rows, rel) -> torch.Tensor:
         x = self.attention.output(self.attention.self(x, meta, rows, rel), x)
+        return self.output(self.intermediate(x), x)
+
+    def forward_first_tokens(self, x, meta, rows, rel, first_slots) -> torch.Tensor:
+        """The layer's output at `first_slots` only: [num_slots, hidden] → [num_seqs, hidden].
+        Keys, values and their position terms need every slot; the rest runs on one row per
+        sequence."""
+        context = self.attention.self(x, meta, rows, rel, first_only=True)
+        x = self.attention.output(context, x.index_select(0, first_slots))
         return self.output(self.intermediate(x), x)
 
 
@@ -246,7 +270,14 @@ class DebertaV2Encoder(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+        first_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [num_slots, hidden] → [num_slots, hidden], or [num_seqs, hidden] (the rows at
+        `first_slots`, the last layer computing only those) when given."""
         rows = rel = None
         if self.relative:
             # Once per step: the relative rows the longest bucket reaches, LayerNorm'd.
@@ -254,9 +285,13 @@ class DebertaV2Encoder(nn.Module):
             rel = self.rel_embeddings.weight[rows.first_row : rows.first_row + rows.num_rows]
             if self.LayerNorm is not None:
                 rel = self.LayerNorm(rel)
-        for layer in self.layer:
+        if first_slots is None:
+            for layer in self.layer:
+                x = layer(x, meta, rows, rel)
+            return x
+        for layer in self.layer[:-1]:
             x = layer(x, meta, rows, rel)
-        return x
+        return self.layer[-1].forward_first_tokens(x, meta, rows, rel, first_slots)
 
 
 class DebertaV2Model(nn.Module):
@@ -265,7 +300,9 @@ class DebertaV2Model(nn.Module):
 
     is_causal: ClassVar[bool] = False
     default_pooling_type = "CLS"
-    supports_first_token_only = False
+    supports_first_token_only = True
+    """forward(..., first_token_only=True): each sequence's first row, the last layer computing
+    only those rows (CLS pooling, the classification head)."""
     body_prefix = "deberta."
 
     def __init__(self, config) -> None:
@@ -291,13 +328,13 @@ class DebertaV2Model(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         first_token_only: bool = False,
     ) -> torch.Tensor:
-        if first_token_only:
-            raise ValueError("supports_first_token_only is False: every row is computed")
         layout = pad_buckets(attn_metadata)
         slots = layout.token_index
         if token_type_ids is not None:
             token_type_ids = token_type_ids[slots]
         x = self.embeddings(input_ids[slots], positions[slots], token_type_ids)
+        if first_token_only:
+            return self.encoder(x, layout.metadata, first_token_slots(layout.metadata))
         x = self.encoder(x, layout.metadata)
         return x if layout.is_packed else x.index_select(0, layout.slot_of_token)
 
@@ -316,7 +353,6 @@ class DebertaV2ForSequenceClassification(EncoderWithHead):
     classifier (an EncoderModel and a ClassifierHead)."""
 
     body_cls = DebertaV2Model
-    supports_first_token_only = False  # no CLS-only last layer yet
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -335,6 +371,17 @@ class DebertaV2ForSequenceClassification(EncoderWithHead):
         "classifier.weight": "classifier.weight",
         "classifier.bias": "classifier.bias",
     }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+
+
+class DebertaV2ForTokenClassification(BertForTokenClassification):
+    """A DeBERTa per-token classifier (NER): token state → classifier (dropout is identity at
+    inference); the pooler runs it per text (worker/token_poolers.py)."""
+
+    body_cls = DebertaV2Model
+    supports_first_token_only = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)

@@ -11,6 +11,9 @@ forward takes no attention mask (FNet mixes tokens with a Fourier transform) run
 length only, so padding never changes an output. Unpacked: slower than the two paths above,
 equal to sentence-transformers (which runs the same code on the same padded batches).
 
+model_impl="auto" also falls back when the backend passes its checks but its first forward raises
+(fallback_if_backend_fails: an 8-token dry run at resolve time), with the same one warning line.
+
 Refused: remote code without trust_remote_code=True (resolve_hf_class), generation (the runner's
 decoder path needs a KV cache the HF model does not share), and models whose outputs tidepool
 cannot pool: those that return no per-token states [batch, tokens, hidden] (a downsampling
@@ -19,6 +22,7 @@ encoder such as FunnelBaseModel, a vision or audio model), found by an 8-token d
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass
@@ -29,11 +33,12 @@ from torch import nn
 
 from tidepool.attention import cpu_kernels
 from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
-from tidepool.attention.metadata import EncoderAttentionMetadata
+from tidepool.attention.metadata import EncoderAttentionMetadata, build_encoder_metadata
 from tidepool.config import ModelConfig
 from tidepool.models.transformers_backend import (
     _position_offset,
     _use_packed_linears,
+    build_transformers_model,
     check_transformers_version,
     resolve_hf_class,
 )
@@ -75,6 +80,35 @@ def inspect_fallback(
         reason,
     )
     return FallbackInfo(hf_class, _position_offset(hf_model.base_model))
+
+
+def fallback_if_backend_fails(config: ModelConfig) -> ModelConfig:
+    """model_impl="auto" chose the transformers backend for an encoder: one 8-token forward of
+    the backend's model, built uninitialized (nothing read from the checkpoint); where it raises,
+    `config` moves to the fallback, with its one warning line, before the model is built. Some
+    models pass the backend's checks on the meta device and fail only with real tensors (an
+    attention call with arguments tidepool's interface does not take, a shape it assumes)."""
+    try:
+        _dry_forward(build_transformers_model(config, with_weights=False), config)
+    except Exception as e:
+        reason = f"the transformers backend failed at its first forward ({type(e).__name__}: {e})"
+        args = (config.hf_config, config.path, config.trust_remote_code, reason)
+        inspect_fallback(config.architecture, config.task, *args)
+        return dataclasses.replace(config, model_impl="fallback")
+    return config
+
+
+@torch.inference_mode()
+def _dry_forward(model: nn.Module, config: ModelConfig) -> None:
+    """8 tokens through the encoder (and its classifier head), as the runner calls them."""
+    pad = getattr(config.hf_config, "pad_token_id", None)
+    input_ids = torch.arange(8, device=config.device) + (0 if pad is None else int(pad)) + 1
+    positions = torch.arange(8, device=config.device)
+    heads = int(getattr(config.hf_config, "num_attention_heads", None) or 1)
+    meta = build_encoder_metadata([8], config.device, num_heads=heads, dtype=config.dtype)
+    hidden = model(input_ids, positions, meta)
+    if config.task == "classify" and config.output_head == "task":
+        model.compute_logits(hidden[:1])  # type: ignore[operator]
 
 
 def build_fallback_model(config: ModelConfig) -> FallbackEncoderModel:

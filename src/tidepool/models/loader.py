@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -168,6 +169,23 @@ def _load_dense(folder: Path) -> DenseModule:
     return DenseModule(weight.float(), weights.get("linear.bias"), act)
 
 
+# transformers writes an unset model_max_length as a huge number (VERY_LARGE_INTEGER, ~1e30).
+_UNSET_MODEL_MAX_LENGTH = 1_000_000
+
+
+def _max_seq_length(folder: Path, bert_cfg: Any, is_sentence_transformer: bool) -> int | None:
+    """sentence_bert_config.json's max_seq_length; sentence-transformers >= 6 no longer writes it
+    there but keeps it as the tokenizer's model_max_length, which every version truncates at when
+    the key is absent (sentence-t5 / T5 folders have no max_position_embeddings to cap it)."""
+    value = bert_cfg.get("max_seq_length")
+    if value is None and is_sentence_transformer:
+        tokenizer_cfg = _read_json(folder / "tokenizer_config.json")
+        value = tokenizer_cfg.get("model_max_length") if isinstance(tokenizer_cfg, dict) else None
+        if not isinstance(value, (int, float)) or value >= _UNSET_MODEL_MAX_LENGTH:
+            return None
+    return int(value) if value else None
+
+
 def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
     modules = _read_json(folder / "modules.json")
     bert_cfg = _read_json(folder / "sentence_bert_config.json") or {}
@@ -199,13 +217,13 @@ def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
             dense.append(_load_dense(mpath))
         elif mtype.endswith("Normalize"):
             normalize = True
-    max_len = bert_cfg.get("max_seq_length")
+    max_len = _max_seq_length(folder, bert_cfg, is_sentence_transformer=modules is not None)
     return SentenceTransformersMeta(
         pooling_mode=pooling_mode,
         include_prompt=include_prompt,
         dense=tuple(dense),
         normalize=normalize,
-        max_seq_length=int(max_len) if max_len else None,
+        max_seq_length=max_len,
         do_lower_case=bool(bert_cfg.get("do_lower_case", False)),
         prompts=dict(st_cfg.get("prompts") or {}),
         default_prompt_name=st_cfg.get("default_prompt_name"),

@@ -11,14 +11,12 @@ attention.output.dense, attention.LayerNorm → attention.output.LayerNorm.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from tidepool.attention.backend import BUCKETED_SDPA
 from tidepool.attention.metadata import EncoderAttentionMetadata
-from tidepool.attention.relative_bias import RelativePositionBias
+from tidepool.attention.relative_bias import RelativePositionBias, bidirectional_bucket
 from tidepool.models.bert import (
     BertAttention,
     BertEmbeddings,
@@ -35,25 +33,9 @@ MAX_DISTANCE = 128
 PADDING_IDX = 1  # MPNetEmbeddings hard-codes it: positions are padding_idx + 1, + 2, ...
 
 
-def relative_position_bucket(
-    relative_position: torch.Tensor,
-    num_buckets: int = NUM_BUCKETS,
-    max_distance: int = MAX_DISTANCE,
-) -> torch.Tensor:
-    """key - query distance (int64) → bucket, the same integer arithmetic and float32 log as
-    transformers' MPNetEncoder.relative_position_bucket (T5's, bidirectional): half the buckets
-    per direction, exact up to num_buckets / 4, logarithmic up to max_distance."""
-    n = -relative_position
-    half = num_buckets // 2
-    ret = (n < 0).to(torch.long) * half
-    n = n.abs()
-    max_exact = half // 2
-    is_small = n < max_exact
-    val_if_large = max_exact + (
-        torch.log(n.float() / max_exact) / math.log(max_distance / max_exact) * (half - max_exact)
-    ).to(torch.long)
-    val_if_large = torch.clamp(val_if_large, max=half - 1)
-    return ret + torch.where(is_small, n, val_if_large)
+def relative_position_bucket(relative_position: torch.Tensor) -> torch.Tensor:
+    """key - query distance → bucket: T5's bidirectional buckets with MPNet's fixed sizes."""
+    return bidirectional_bucket(relative_position, NUM_BUCKETS, MAX_DISTANCE)
 
 
 class MPNetSelfAttention(BertSelfAttention):

@@ -33,9 +33,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     # BERT-like layers with a bucketed relative position bias.
     "MPNetModel": ("mpnet", "MPNetModel"),
     "MPNetForSequenceClassification": ("mpnet", "MPNetForSequenceClassification"),
+    # Pre-norm encoders with T5's bucketed relative position bias (sentence-t5, GTR).
+    "T5EncoderModel": ("t5", "T5EncoderModel"),
+    "MT5EncoderModel": ("t5", "MT5EncoderModel"),
     # Disentangled attention (content and relative-position terms), on padded buckets.
     "DebertaV2Model": ("deberta_v2", "DebertaV2Model"),
     "DebertaV2ForSequenceClassification": ("deberta_v2", "DebertaV2ForSequenceClassification"),
+    "DebertaV2ForTokenClassification": ("deberta_v2", "DebertaV2ForTokenClassification"),
     # Causal decoders: the bare body embeds (LAST pooling), *ForCausalLM adds the LM head.
     "LlamaModel": ("llama", "LlamaModel"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),

@@ -66,6 +66,9 @@ class ResolvedModel:
     """config.OUTPUT_HEADS: "task", "splade", "bge_m3" or "token_classifier"."""
     sparse: SparseHeadConfig | None = None
     """The sparse head's settings (SPLADE pooling, BGE-M3's skipped tokens)."""
+    fallback_on_forward_error: bool = False
+    """auto chose the transformers backend for an encoder: a dry forward decides whether the
+    fallback runs it instead (models/fallback.py: fallback_if_backend_fails)."""
 
 
 def build_model_config(
@@ -104,7 +107,7 @@ def build_model_config(
     ):
         multi_vector, st = found
     torch_device = torch.device(device) if device else default_device()
-    return ModelConfig(
+    config = ModelConfig(
         model=str(model),
         path=path,
         hf_config=hf_config,
@@ -123,6 +126,11 @@ def build_model_config(
         sparse=resolved.sparse,
         multi_vector=multi_vector,
     )
+    if resolved.fallback_on_forward_error:
+        from tidepool.models.fallback import fallback_if_backend_fails
+
+        config = fallback_if_backend_fails(config)
+    return config
 
 
 def resolve_model(
@@ -159,8 +167,17 @@ def resolve_model(
     if impl == "transformers":
         try:
             info = inspect_hf_model(arch, task, hf_config, path, trust_remote_code)
+            # auto, an encoder: a backend whose first forward fails falls back before loading.
+            fallback_ok = model_impl == "auto" and not info.is_causal
             return ResolvedModel(
-                task, arch, impl, info.is_causal, info.position_offset, output_head, sparse
+                task,
+                arch,
+                impl,
+                info.is_causal,
+                info.position_offset,
+                output_head,
+                sparse,
+                fallback_ok,
             )
         except UnsupportedAttentionError as e:
             if model_impl != "auto" or task == "generate":

@@ -305,14 +305,17 @@ def _weight_conversions(hf_model: nn.Module) -> list[Any]:
     return list(get_model_conversion_mapping(hf_model, add_legacy=False))
 
 
-def build_transformers_model(config: ModelConfig) -> nn.Module:
-    """The HF model for `config`, weights loaded, wrapped with the native models' contract."""
+def build_transformers_model(config: ModelConfig, with_weights: bool = True) -> nn.Module:
+    """The HF model for `config`, weights loaded, wrapped with the native models' contract;
+    `with_weights=False`: uninitialized, nothing read from the checkpoint (a dry run's model)."""
     info = inspect_hf_model(
         config.architecture, config.task, config.hf_config, config.path, config.trust_remote_code
     )
     with _parameters_on_meta(config.dtype):
         hf_model = info.hf_class(backend_config(config.hf_config))
-    if _weight_conversions(hf_model):
+    if not with_weights:
+        _materialize(hf_model, config.device)
+    elif _weight_conversions(hf_model):
         # Checkpoint tensors that transformers renames, splits or merges on load (NomicBERT's
         # fused Wqkv, ...): its own loader does that (also from the meta device, no copy).
         hf_model = info.hf_class.from_pretrained(
