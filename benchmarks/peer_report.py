@@ -78,7 +78,8 @@ def print_section(section: str, dtype: str, res: dict) -> None:
     for name, e in res["engines"].items():
         line = (
             f"  {ENGINE_NAMES[name]:22s} {e['tokens_s']:9,.0f} tokens/s "
-            f"{e['items_s']:8.1f} inputs/s  roofline {e['roofline_share']:5.1%}"
+            f"{e['items_s']:8.1f} inputs/s  {e['tokens_per_cpu_s']:8,.0f} tokens/CPU-s  "
+            f"roofline {e['roofline_share']:5.1%}"
         )
         if "int8_roofline_share" in e:
             line += f" (int8 {e['int8_roofline_share']:5.1%})"
@@ -117,7 +118,10 @@ def print_issue_table(section: str, dtype: str, res: dict) -> None:
         roof = f"{e['roofline_share']:.0%}"
         if "int8_roofline_share" in e:
             roof += f" (int8: {e['int8_roofline_share']:.0%})"
-        print(f"  | {ISSUE_NAMES[name]} | {e['tokens_s']:,.0f} | {ratio} | {cos} | {roof} |")
+        print(
+            f"  | {ISSUE_NAMES[name]} | {e['tokens_s']:,.0f} | {ratio} | {cos} | {roof} "
+            f"| {e['tokens_per_cpu_s']:,.0f} |"
+        )
     print(flush=True)
 
 

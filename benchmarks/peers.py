@@ -296,12 +296,14 @@ class Driver:
         print(f"  {ENGINE_NAMES[engine]:22s} skipped: {first}", flush=True)
         self.results["skipped"].append(f"{section}: {ENGINE_NAMES[engine]}: {first}")
 
-    def worker_argv(self, engine: str, section: Section, dtype: str, inputs: Path) -> list[str]:
+    def worker_argv(
+        self, engine: str, section: Section, dtype: str, inputs: Path, warmup: int
+    ) -> list[str]:
         args = self.args
         argv = [
             "--task", section.task, "--model", str(section.model), "--dtype", dtype,
             "--inputs", str(inputs), "--max-len", str(section.max_len),
-            "--batch-size", str(args.st_batch_size), "--warmup", str(args.warmup),
+            "--batch-size", str(args.st_batch_size), "--warmup", str(warmup),
             *section.worker_flags,
         ]  # fmt: skip
         if engine.startswith("tidepool") and args.max_num_batched_tokens:
@@ -314,7 +316,7 @@ class Driver:
             argv += ["--ov-precision", args.ov_precision]
         return argv
 
-    def start(self, engines, section: Section, dtype: str, inputs: dict, tag: str):
+    def start(self, engines, section: Section, dtype: str, inputs: dict, tag: str, warmup=None):
         path = self.workdir / f"inputs-{tag}.json"
         path.write_text(json.dumps(inputs))
         workers: dict[str, Worker] = {}
@@ -323,7 +325,8 @@ class Driver:
             if not python or not Path(python).exists():
                 self.skip(engine, section.name, f"no python for it ({python!r})")
                 continue
-            argv = self.worker_argv(engine, section, dtype, path)
+            warmup = self.args.warmup if warmup is None else warmup
+            argv = self.worker_argv(engine, section, dtype, path, warmup)
             log = self.workdir / f"{tag}-{engine}.log"
             # One at a time: loads, exports and warm-ups do not fight over the cores.
             w = Worker(engine, python, self.env_for(engine), argv, log)
@@ -388,7 +391,7 @@ class Driver:
         if section.name not in self.references:
             print("  (sentence-transformers float32 reference)", flush=True)
             tag = f"{section.name}-ref"
-            w = self.start(["st"], section, "float32", inputs, tag)["st"]
+            w = self.start(["st"], section, "float32", inputs, tag, warmup=0)["st"]
             try:
                 dump = self.workdir / f"{tag}.npy"
                 w.ask(cmd="run", dump=str(dump))
@@ -456,6 +459,9 @@ class Driver:
                 "items_s": num_items / t,
                 "roofline_share": num_tokens / t / roof[dtype],
                 "cpu_seconds": run["cpu"][name],
+                # Throughput per CPU-second of the engine's process: what a loaded machine
+                # blurs least (an engine that spins idle threads pays for them here).
+                "tokens_per_cpu_s": num_tokens / statistics.median(run["cpu"][name]),
             }
             if name in INT8_ENGINES and "int8" in roof:
                 e["int8_roofline_share"] = num_tokens / t / roof["int8"]
