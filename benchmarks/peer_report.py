@@ -98,14 +98,14 @@ def print_section(section: str, dtype: str, res: dict) -> None:
 def print_issue_table(section: str, dtype: str, res: dict) -> None:
     """Issue 17's table: tokens/s, throughput relative to tidepool, cosine to the reference."""
     ref_name = "tidepool" if "tidepool" in res["engines"] else None
+    num_rounds = len(next(iter(res["engines"].values()))["seconds"])
     print(
         f"\n  {section} {dtype}: {res['num_inputs']} inputs, {res['num_tokens']:,} tokens "
-        f"(mean {res['mean_len']:.0f}), medians of {len(next(iter(res['engines'].values()))['seconds'])}"
+        f"(mean {res['mean_len']:.0f}), medians of {num_rounds}"
     )
-    print(
-        f"  | engine | tokens/s | vs tidepool {dtype} | cos to ST float32 (min / mean) | roofline |"
-    )
-    print("  | --- | ---: | ---: | --- | ---: |")
+    agree = "cos to ST float32 (min / mean)" if res["task"] == "embed" else "vs ST float32"
+    print(f"  | engine | tokens/s | vs tidepool {dtype} | {agree} | roofline | tokens / CPU-s |")
+    print("  | --- | ---: | ---: | --- | ---: | ---: |")
     for name, e in res["engines"].items():
         ratio = "1.00x" if name == ref_name else (
             f"{e['vs_tidepool']:.2f}x" if "vs_tidepool" in e else "—"

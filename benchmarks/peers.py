@@ -446,7 +446,8 @@ class Driver:
         if dtype == "float32" and "st" in outputs:
             self.references.setdefault(section.name, outputs["st"])
         ref = self.reference(section, inputs)
-        res: dict = {"num_inputs": num_items, "num_tokens": num_tokens, "mean_len": mean_len}
+        res: dict = {"task": section.task, "num_inputs": num_items, "num_tokens": num_tokens}
+        res["mean_len"] = mean_len
         res["roofline_tokens_s"] = roof[dtype]
         res["int8_roofline_tokens_s"] = roof.get("int8")
         res["gemm_samples"] = {k: self.gflops[(section.shape, k)] for k in kinds}
