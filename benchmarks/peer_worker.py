@@ -4,11 +4,15 @@ Runs under the python of the engine's own venv (vLLM's CPU build lives in a sepa
 imports nothing from tidepool or the benchmarks at module level: only the standard library and
 numpy, then the engine's library once told which one.
 
-    python peer_worker.py --engine tidepool|st|vllm --task embed|score --model PATH
+    python peer_worker.py --engine ENGINE --task embed|score --model PATH
                           --dtype float32|bfloat16 --inputs inputs.json [--max-len 256]
 
+Engines (ENGINES): tidepool, tidepool-int8 (`quantization="int8"`), st (sentence-transformers on
+torch), st-onnx / st-onnx-int8 / st-openvino / st-openvino-int8 (its exported backends, made and
+cached by peer_exports.py in --export-dir), vllm.
+
 inputs.json: {"texts": [...]} for embed, {"pairs": [[query, passage], ...]} for score, and
-optionally "latency_text". The worker loads the model, warms up, and answers one JSON line per
+optionally "latency_text" and "calibration" (texts or pairs for the static int8 export). The worker loads the model, warms up, and answers one JSON line per
 command read from stdin: {"cmd": "run", "dump": path-or-null} times the engine over all inputs;
 {"cmd": "latency", "calls": N} times N single-text `embed` calls; {"cmd": "quit"}. Everything the
 libraries print goes to stderr, so the protocol channel carries nothing else.
@@ -46,15 +50,21 @@ class Engine:
 
 
 class Tidepool(Engine):
+    engine_kwargs: dict = {}
+
     def __init__(self, args, inputs) -> None:
         super().__init__(args, inputs)
         import torch
 
         from tidepool import LLM
 
-        kwargs = {}
+        kwargs = dict(self.engine_kwargs)
         if args.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+        if args.runner:
+            kwargs["runner"] = args.runner
+        if args.no_prefix_caching:
+            kwargs["enable_prefix_caching"] = False
         self.llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_len, **kwargs)
         self.torch = torch
 
@@ -83,7 +93,15 @@ class Tidepool(Engine):
             "version": getattr(tidepool, "__version__", "?"),
             "torch": self.torch.__version__,
             "threads": self.torch.get_num_threads(),
+            **self.engine_kwargs,
         }
+
+
+class TidepoolInt8(Tidepool):
+    """tidepool's int8 mode (issue 17): an installed tidepool without it raises at LLM(), and the
+    driver prints that reason and skips the row."""
+
+    engine_kwargs = {"quantization": "int8"}
 
 
 class SentenceTransformers(Engine):
@@ -92,18 +110,21 @@ class SentenceTransformers(Engine):
         import torch
 
         self.torch = torch
-        dtype = getattr(torch, args.dtype)
-        if args.task == "embed":
+        self.model = self.load()
+        self.model.eval()
+
+    def load(self):
+        dtype = getattr(self.torch, self.args.dtype)
+        if self.args.task == "embed":
             from sentence_transformers import SentenceTransformer
 
-            self.model = SentenceTransformer(args.model, device="cpu")
-            self.model.max_seq_length = args.max_len
+            model = SentenceTransformer(self.args.model, device="cpu")
+            model.max_seq_length = self.args.max_len
         else:
             from sentence_transformers import CrossEncoder
 
-            self.model = CrossEncoder(args.model, device="cpu", max_length=args.max_len)
-        self.model.to(dtype)
-        self.model.eval()
+            model = CrossEncoder(self.args.model, device="cpu", max_length=self.args.max_len)
+        return model.to(dtype)
 
     def run(self, items):
         bs = self.args.batch_size
@@ -131,6 +152,47 @@ class SentenceTransformers(Engine):
         }
 
 
+class SentenceTransformersExport(SentenceTransformers):
+    """sentence-transformers on one of its exported backends (OpenVINO / ONNX Runtime, float32 or
+    int8), exported on first use into --export-dir and loaded from there afterwards."""
+
+    def load(self):
+        from pathlib import Path
+
+        import peer_exports
+
+        if self.args.dtype != "float32":
+            raise ValueError(f"{self.args.engine} runs its own export, float32 only")
+        calibration = self.inputs.get("calibration") or self.items[:300]
+        export_dir = Path(self.args.export_dir)
+        peer_exports.prepare(
+            self.args.engine,
+            self.args.task,
+            Path(self.args.model),
+            export_dir,
+            calibration,
+            self.args.max_len,
+        )
+        return peer_exports.load(
+            self.args.engine, self.args.task, export_dir, self.args.max_len, self.args.ov_precision
+        )
+
+    def info(self):
+        import peer_exports
+
+        info = super().info()
+        spec = peer_exports.EXPORTS[self.args.engine]
+        info["file"] = spec.file_name
+        if spec.backend == "openvino":
+            info["ov_precision"] = self.args.ov_precision
+        for module in ("openvino", "onnxruntime"):
+            try:
+                info[module] = __import__(module).__version__
+            except ImportError:
+                pass
+        return info
+
+
 class VLLM(Engine):
     def __init__(self, args, inputs) -> None:
         super().__init__(args, inputs)
@@ -139,12 +201,14 @@ class VLLM(Engine):
 
         self.torch = torch
         self.vllm = vllm
+        kwargs = {"enable_prefix_caching": False} if args.no_prefix_caching else {}
         self.llm = vllm.LLM(
             model=args.model,
             runner="pooling",
             dtype=args.dtype,
             max_model_len=args.max_len,
             seed=0,
+            **kwargs,
         )
         # vLLM 0.32: truncation goes through tokenization_kwargs. Without `truncation_side` the
         # tokenizer truncates (right side, [SEP] kept), exactly as sentence-transformers does.
@@ -185,7 +249,16 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-ENGINES = {"tidepool": Tidepool, "st": SentenceTransformers, "vllm": VLLM}
+ENGINES = {
+    "tidepool": Tidepool,
+    "tidepool-int8": TidepoolInt8,
+    "st": SentenceTransformers,
+    "st-onnx": SentenceTransformersExport,
+    "st-onnx-int8": SentenceTransformersExport,
+    "st-openvino": SentenceTransformersExport,
+    "st-openvino-int8": SentenceTransformersExport,
+    "vllm": VLLM,
+}
 
 
 def main() -> None:
@@ -198,7 +271,17 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="tidepool")
-    parser.add_argument("--warmup", type=int, default=64, help="inputs per warm-up pass (2 passes)")
+    parser.add_argument("--runner", default=None, help="tidepool: e.g. pooling for a *ForCausalLM")
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="tidepool and vLLM: compute every token"
+    )
+    parser.add_argument("--export-dir", default=None, help="st-onnx*, st-openvino*: export cache")
+    parser.add_argument(
+        "--ov-precision", default="f32", help="st-openvino*: INFERENCE_PRECISION_HINT or default"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=64, help="inputs per warm-up pass (2 passes; 0: none)"
+    )
     args = parser.parse_args()
 
     # The protocol gets a private copy of stdout; fd 1 then points at stderr, so library prints
@@ -223,9 +306,10 @@ def main() -> None:
         items = engine.items
         by_len = sorted(items, key=lambda x: -len(x if isinstance(x, str) else x[0] + x[1]))
         warm = by_len[: args.warmup // 2] + items[: args.warmup - args.warmup // 2]
-        engine.run(warm)
-        engine.run(warm)
-        if args.task == "embed":
+        if warm:  # --warmup 0: an untimed reference run needs none
+            engine.run(warm)
+            engine.run(warm)
+        if warm and args.task == "embed":
             for _ in range(5):
                 engine.one(inputs.get("latency_text") or items[0])
         warm_s = time.perf_counter() - start

