@@ -57,6 +57,7 @@ from tidepool.engine.generation_stream import (
     GenerationInput,
     GenerationStream,
     PoolingGroup,
+    PoolingSubmission,
     StreamGroup,
 )
 from tidepool.engine.input_processor import InputProcessor
@@ -380,7 +381,7 @@ class AsyncEngine:
         if num_tokens:
             group.future.add_done_callback(lambda _: self._release_tokens(num_tokens))
         self._inbox.put(_Submit(group))
-        return PoolingSubmission(group, self._inbox)
+        return PoolingSubmission(group, lambda: self._inbox.put(_Abort(group)))
 
     def _check_accepting(self) -> None:
         if self._dead is not None:
@@ -483,20 +484,6 @@ class AsyncEngine:
         self.stats.num_running_requests = scheduler.num_running
         kv = self._engine.core.kv_cache_manager
         self.stats.kv_cache_usage = kv.usage if kv is not None else 0.0
-
-
-class PoolingSubmission:
-    """Pooling requests handed to the engine thread: `future` resolves with their outputs (or
-    the failure); `cancel()` aborts the unfinished ones in the engine (their blocks freed)."""
-
-    def __init__(self, group: PoolingGroup, inbox: queue.SimpleQueue[_Command]) -> None:
-        self._group = group
-        self._inbox = inbox
-        self.future = group.future
-
-    def cancel(self) -> None:
-        self.future.cancel()
-        self._inbox.put(_Abort(self._group))
 
 
 def _requests_or_raise(items: list[Any]) -> list[Any]:
