@@ -216,8 +216,8 @@ def build_app(
     app.state.admission = admission
     _add_exception_handlers(app, state)
     serve = functools.partial(serve_until_disconnect, admission=admission)
-    # Cohere's and TEI's routes serve the default (first) model; first: see routes_compat.py.
-    add_compat_routes(app, models.default.serving, args.api_style, serve)
+    # Cohere's and TEI's routes (first: see routes_compat.py), routed to a model as they can.
+    add_compat_routes(app, models, args.api_style, serve)
     _add_routes(app, models, metrics, admission)
     _add_info_routes(app, models, metrics)
     known_paths = {getattr(r, "path", "") for r in app.routes}
