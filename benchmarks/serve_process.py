@@ -4,6 +4,7 @@ serve_generate.py). The tests have their own, which also captures the log (tests
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -32,13 +33,17 @@ def running_server(model: str, extra_args: list[str]) -> Iterator[str]:
 
 
 @contextmanager
-def running_server_process(model: str, extra_args: list[str]) -> Iterator[tuple[str, int]]:
-    """`running_server`, yielding the URL and the server's process id (soak.py reads its RSS)."""
+def running_server_process(
+    model: str, extra_args: list[str], env: dict[str, str] | None = None
+) -> Iterator[tuple[str, int]]:
+    """`running_server`, yielding the URL and the server's process id (soak.py reads its RSS).
+    `env`: variables set for the server on top of this process's (e.g. a PYTHONPATH, to serve
+    another source tree side by side)."""
     port = free_port()
     command = [sys.executable, "-m", "tidepool.entrypoints.cli", "serve", model, "--host",
                "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
                "--uvicorn-log-level", "warning", *extra_args]  # fmt: skip
-    process = subprocess.Popen(command)
+    process = subprocess.Popen(command, env={**os.environ, **env} if env else None)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:

@@ -1,6 +1,6 @@
 """Several models in one server: a real `tidepool serve --model A --model B` (a tiny embedder and
-a tiny cross-encoder), requests routed by `model`, each answer equal to the offline LLM's; 404 for
-an unknown name; /v1/models, /health and /metrics report both; the memory of each load is logged.
+a tiny cross-encoder), requests routed by `model` (Cohere's /v2/embed too; TEI's routes by task or
+`?model=`), each answer equal to the offline LLM's; 404 for an unknown name; /v1/models, /health and /metrics report both; the memory of each load is logged.
 """
 
 from __future__ import annotations
@@ -99,6 +99,36 @@ def test_unknown_model_and_wrong_task(http: httpx.Client) -> None:
     # A served name on a route its model does not support: that model's own 400.
     response = http.post("/classify", json={"model": EMBEDDER, "input": "x"})
     assert response.status_code == 400 and "embedding model" in response.json()["error"]["message"]
+
+
+def test_cohere_and_tei_routes_reach_each_model(http: httpx.Client, tiny_llm) -> None:
+    expected = offline_embeddings(tiny_llm)
+    # Cohere's /v2/embed goes by its `model`, as the OpenAI routes do.
+    response = http.post("/v2/embed", json={"model": EMBEDDER, "texts": TEXTS})
+    assert response.status_code == 200, response.text
+    vectors = torch.tensor(response.json()["embeddings"]["float"])
+    torch.testing.assert_close(vectors, expected, atol=1e-5, rtol=0)
+    response = http.post("/v2/embed", json={"model": RERANKER, "texts": TEXTS})
+    assert response.status_code == 400 and "cross-encoder" in response.json()["message"]
+    response = http.post("/v2/embed", json={"model": "gpt-4", "texts": TEXTS})
+    assert response.status_code == 404 and "`gpt-4` does not exist" in response.json()["message"]
+    # TEI's bodies name no model: the first model that serves the route answers.
+    response = http.post("/embed", json={"inputs": TEXTS})
+    assert response.status_code == 200, response.text
+    normalized = torch.nn.functional.normalize(expected, dim=-1)
+    torch.testing.assert_close(torch.tensor(response.json()), normalized, atol=1e-5, rtol=0)
+    response = http.post("/predict", json={"inputs": [QUERY, DOCUMENTS[0]]})
+    assert response.status_code == 200, response.text
+    assert response.json()[0]["score"] == pytest.approx(offline_scores(tiny_llm)[0], abs=1e-5)
+    # `?model=` picks one; an unknown name is TEI's 404.
+    response = http.post(f"/predict?model={EMBEDDER}", json={"inputs": "x"})
+    assert response.status_code == 400
+    assert response.json()["error_type"] == "Validation" and "embedding model" in response.text
+    response = http.post("/embed?model=nope", json={"inputs": "x"})
+    assert response.status_code == 404 and response.json()["error_type"] == "Validation"
+    assert "`nope` does not exist" in response.json()["error"]
+    response = http.post(f"/predict?model={RERANKER}", json={"inputs": [QUERY, DOCUMENTS[0]]})
+    assert response.status_code == 200, response.text
 
 
 def test_models_health_metrics_and_memory_log(

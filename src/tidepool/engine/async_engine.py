@@ -57,6 +57,7 @@ from tidepool.engine.generation_stream import (
     GenerationInput,
     GenerationStream,
     PoolingGroup,
+    PoolingSubmission,
     StreamGroup,
 )
 from tidepool.engine.input_processor import InputProcessor
@@ -143,7 +144,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, shared_work: SharedWorkOptions | None = None) -> None:
         self.config = config
         # Pooling requests (encode, encode_pairs) go through it: identical inputs computed once.
-        self.shared_work = SharedWork(self._run_admitted, shared_work or SharedWorkOptions())
+        self.shared_work = SharedWork(self._submit_pooling, shared_work or SharedWorkOptions())
         self.input_processor = InputProcessor(config.model)
         detokenizer = None
         self.eos_token_ids: tuple[int, ...] = ()
@@ -362,18 +363,25 @@ class AsyncEngine:
     async def _run_admitted(self, requests: list[Request]) -> list[PoolingRequestOutput]:
         if not requests:
             return []
+        submission = self._submit_pooling(requests)
+        try:
+            return await submission.future
+        except asyncio.CancelledError:  # client gone or deadline passed: free its blocks
+            submission.cancel()
+            raise
+
+    def _submit_pooling(self, requests: list[Request]) -> PoolingSubmission:
+        """Hand pooling requests to the engine thread now (no task, no await): their prompt
+        tokens are reserved (the budget may refuse: it raises, and nothing is handed over) until
+        the submission's future is done, however it ends."""
         if self._dead is not None:
             raise EngineClosedError(f"the engine has stopped after an internal error: {self._dead}")
         num_tokens = self._reserve_tokens(requests)
         group = PoolingGroup(requests, asyncio.get_running_loop())
+        if num_tokens:
+            group.future.add_done_callback(lambda _: self._release_tokens(num_tokens))
         self._inbox.put(_Submit(group))
-        try:
-            return await group.future
-        except asyncio.CancelledError:  # client gone or deadline passed: free its blocks
-            self._inbox.put(_Abort(group))
-            raise
-        finally:
-            self._release_tokens(num_tokens)
+        return PoolingSubmission(group, lambda: self._inbox.put(_Abort(group)))
 
     def _check_accepting(self) -> None:
         if self._dead is not None:

@@ -67,6 +67,20 @@ class PoolingGroup:
             pass
 
 
+class PoolingSubmission:
+    """A PoolingGroup handed to the engine thread, as its caller holds it: `future` resolves with
+    the outputs (or the failure); `cancel()` aborts the unfinished requests in the engine."""
+
+    def __init__(self, group: PoolingGroup, abort: Callable[[], None]) -> None:
+        self.future = group.future
+        self._abort = abort
+        """Tells the engine thread to abort the group's unfinished requests."""
+
+    def cancel(self) -> None:
+        self.future.cancel()
+        self._abort()
+
+
 def _set_future(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
     if future.done():  # cancelled: the caller went away
         return

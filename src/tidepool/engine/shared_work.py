@@ -11,9 +11,11 @@ of the key by construction (one SharedWork per AsyncEngine).
     A cancelled          ── F waiters {B}: F keeps running (B still needs k1)
     B cancelled          ── F, G waiters {}: both aborted in the engine
 
-A flight runs in a task of its own, not in a caller's: cancelling one caller cannot cancel the
-computation the others wait for; the last waiter to leave a flight cancels it (which aborts its
-requests in the engine). Finished flights fill the cache (when it has room: `cache_size` > 0).
+A flight is the engine's own future for its group, not a caller's task: cancelling one caller
+cannot cancel the computation the others wait for (callers wait through asyncio.shield / wait);
+the last waiter to leave a flight cancels it (which aborts its requests in the engine). No task
+is made per flight: a one-text request costs one future. Finished flights fill the cache (when it
+has room: `cache_size` > 0).
 
 Everything here runs on the event loop's thread: no locks.
 """
@@ -21,10 +23,12 @@ Everything here runs on the event loop's thread: no locks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 from tidepool.outputs import BatchInputError, PoolingOutput, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams
@@ -33,7 +37,20 @@ from tidepool.request import Request
 __all__ = ["SharedWork", "SharedWorkOptions", "SharedWorkStats", "work_key"]
 
 WorkKey = tuple[Hashable, ...]
-RunRequests = Callable[[list[Request]], Awaitable[list[PoolingRequestOutput]]]
+
+
+class Submission(Protocol):
+    """Pooling requests handed to the engine (AsyncEngine's PoolingSubmission)."""
+
+    future: asyncio.Future[list[PoolingRequestOutput]]
+    """Their outputs, in order, or the failure."""
+
+    def cancel(self) -> None:
+        """Abort the unfinished requests in the engine; the future ends cancelled."""
+
+
+Submit = Callable[[list[Request]], Submission]
+"""Hands requests to the engine now; may raise (admission refused, engine closed)."""
 
 
 @dataclass(frozen=True)
@@ -89,19 +106,20 @@ def work_key(request: Request) -> WorkKey:
 
 
 class _Flight:
-    """One engine group computing distinct new keys; resolved by its task."""
+    """One engine group computing distinct new keys; resolved by its submission's future."""
 
-    def __init__(self, keys: list[WorkKey], task: asyncio.Task[list[PoolingRequestOutput]]):
+    def __init__(self, keys: list[WorkKey], submission: Submission):
         self.keys = keys
-        self.task = task
+        self.submission = submission
+        self.future = submission.future
         self.num_waiters = 0
 
 
 class SharedWork:
     """Runs pooling requests through `run_requests`, sharing identical ones; see the module doc."""
 
-    def __init__(self, run_requests: RunRequests, options: SharedWorkOptions) -> None:
-        self._run_requests = run_requests
+    def __init__(self, submit: Submit, options: SharedWorkOptions) -> None:
+        self._submit = submit
         self.options = options
         self.stats = SharedWorkStats()
         self._in_flight: dict[WorkKey, _Flight] = {}
@@ -164,30 +182,30 @@ class SharedWork:
     def _launch(self, new: dict[WorkKey, Request]) -> _Flight:
         requests = list(new.values())
         self.stats.num_computed += len(requests)
-        flight = _Flight(list(new), asyncio.ensure_future(self._run_requests(requests)))
+        flight = _Flight(list(new), self._submit(requests))
         if self.options.share_in_flight:
             for key in flight.keys:
                 self._in_flight[key] = flight
-        flight.task.add_done_callback(lambda _: self._land(flight))
+        flight.future.add_done_callback(lambda _: self._land(flight))
         return flight
 
     def _abandon(self, flight: _Flight) -> None:
         """The last waiter left: abort the flight's engine requests, and let no newcomer join
-        it (its task ends cancelled; one arriving now computes its keys again)."""
+        it (its future ends cancelled; one arriving now computes its keys again)."""
         for key in flight.keys:
             if self._in_flight.get(key) is flight:
                 del self._in_flight[key]
-        flight.task.cancel()
+        flight.submission.cancel()
 
     def _land(self, flight: _Flight) -> None:
-        """The flight's task is done: it leaves the in-flight table, its results the cache."""
+        """The flight's future is done: it leaves the in-flight table, its results the cache."""
         for key in flight.keys:
             if self._in_flight.get(key) is flight:
                 del self._in_flight[key]
-        task = flight.task
-        if task.cancelled() or task.exception() is not None:
+        future = flight.future
+        if future.cancelled() or future.exception() is not None:
             return
-        for key, out in zip(flight.keys, task.result(), strict=True):
+        for key, out in zip(flight.keys, future.result(), strict=True):
             self._cache_put(key, out.outputs)
 
     async def _wait_for(
@@ -196,20 +214,25 @@ class SharedWork:
         for flight in flights:
             flight.num_waiters += 1
         try:
-            # asyncio.wait, not gather: cancelling this caller must not cancel the flights.
-            await asyncio.wait([f.task for f in flights])
+            # shield / wait, not the future itself or gather: cancelling this caller must not
+            # cancel the flights (the others' work); the last waiter's leaving does, below.
+            if len(flights) == 1:
+                with contextlib.suppress(Exception):  # its outcome is read below
+                    await asyncio.shield(flights[0].future)
+            else:
+                await asyncio.wait([f.future for f in flights])
         finally:
             for flight in flights:
                 flight.num_waiters -= 1
-                if not flight.num_waiters and not flight.task.done():
+                if not flight.num_waiters and not flight.future.done():
                     self._abandon(flight)
         for flight in flights:
-            if flight.task.cancelled():  # only abandoned flights are: none of ours
+            if flight.future.cancelled():  # only abandoned flights are: none of ours
                 raise asyncio.CancelledError
-            error = flight.task.exception()
+            error = flight.future.exception()
             if error is not None:
                 raise _for_caller(error, flight, keys)
-            for key, out in zip(flight.keys, flight.task.result(), strict=True):
+            for key, out in zip(flight.keys, flight.future.result(), strict=True):
                 found[key] = out.outputs
 
 

@@ -22,9 +22,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from tidepool.entrypoints.openai.errors import ApiError, HttpError, http_error
-from tidepool.entrypoints.openai.serving import OpenAIServing
-from tidepool.entrypoints.openai.serving_cohere import CohereServing
-from tidepool.entrypoints.openai.serving_tei import TeiServing
+from tidepool.entrypoints.openai.protocol_cohere import CohereEmbedRequest
+from tidepool.entrypoints.openai.served_models import ServedModels
+from tidepool.entrypoints.openai.serving_tei import TEI_ROUTES, TeiRoute, TeiServing
 
 Serve = Callable[[Request, Coroutine[Any, Any, Response]], Awaitable[Response]]
 """Runs a route's work, cancelling it if the client disconnects (server.serve_until_disconnect)."""
@@ -70,10 +70,14 @@ def parse_body(body_type: type[BaseModel], raw: bytes) -> BaseModel:
         raise _schema_error(e) from e
 
 
+Handler = Callable[[Any, Request], Awaitable[Any]]
+"""The parsed body and the HTTP request (for its query) → the answer."""
+
+
 def add_route(
     app: FastAPI,
     path: str,
-    handler: Callable[[Any], Awaitable[Any]],
+    handler: Handler,
     body_type: type[BaseModel],
     error_shape: ErrorShape,
     serve: Serve,
@@ -93,7 +97,7 @@ def add_route(
 
         async def work() -> Response:
             try:
-                result = await handler(body)
+                result = await handler(body, raw_request)
             except Exception as exc:  # every failure answers in this API's shape
                 return answer_error(exc)
             if isinstance(result, BaseModel):
@@ -106,17 +110,28 @@ def add_route(
     app.post(path)(route)
 
 
-def add_compat_routes(app: FastAPI, serving: OpenAIServing, api_style: str, serve: Serve) -> None:
-    """Cohere's /v2/embed and TEI's routes. Call it before the OpenAI routes are added: where two
-    routes share a path, the first added answers."""
+def add_compat_routes(app: FastAPI, models: ServedModels, api_style: str, serve: Serve) -> None:
+    """Cohere's /v2/embed and TEI's routes, over every model of the server. Call it before the
+    OpenAI routes are added: where two routes share a path, the first added answers."""
     if api_style not in API_STYLES:
         raise ValueError(f"api_style must be one of {API_STYLES}, got {api_style!r}")
-    cohere = CohereServing(serving)
-    add_route(app, "/v2/embed", cohere.embed, cohere.request_type, cohere_error, serve)
-    tei = TeiServing(serving)
-    routes = dict(tei.routes)
-    if api_style != "tei":
-        for shared in tei.shared_paths:
-            routes.pop(shared)
-    for path, (handler, body_type) in routes.items():
-        add_route(app, path, handler, body_type, tei_error, serve)
+
+    async def cohere_embed(body: CohereEmbedRequest, _: Request) -> Any:
+        return await models.resolve(body.model).cohere.embed(body)
+
+    add_route(app, "/v2/embed", cohere_embed, CohereEmbedRequest, cohere_error, serve)
+    for path, route in TEI_ROUTES.items():
+        if api_style == "tei" or path not in TeiServing.shared_paths:
+            add_route(app, path, _tei_handler(models, route), route.body_type, tei_error, serve)
+
+
+def _tei_handler(models: ServedModels, route: TeiRoute) -> Handler:
+    """TEI's bodies name no model: `?model=NAME` picks one (our extension, 404 for a name not
+    served), else the first model that serves the route's task."""
+
+    async def handler(body: Any, raw_request: Request) -> Any:
+        requested = raw_request.query_params.get("model")
+        model = models.resolve(requested) if requested else models.serving_task(route.task)
+        return await route.handler(model.tei, body)
+
+    return handler

@@ -5,6 +5,9 @@ it; a request goes to the model its `model` field names.
       None / "" → the first model given (what a single-model server always did)
       unknown   → 404 in OpenAI's shape, listing the names served
 
+TEI's routes have no `model` field: `?model=NAME` in the URL picks one (ours; TEI serves one model
+per server), else the first model that serves the route's task (`serving_task`).
+
 A route picks the service it needs from the resolved model (server.py's `engine_route`), so a new
 route works for every model by naming its service once.
 """
@@ -24,8 +27,10 @@ from tidepool.entrypoints.openai.encodings import EmbeddingCalibration
 from tidepool.entrypoints.openai.errors import ApiError, ServerState
 from tidepool.entrypoints.openai.metrics import ServerMetrics
 from tidepool.entrypoints.openai.serving import OpenAIServing, ServingLimits
+from tidepool.entrypoints.openai.serving_cohere import CohereServing
 from tidepool.entrypoints.openai.serving_generate import OpenAIServingGeneration
 from tidepool.entrypoints.openai.serving_sparse import OpenAIServingSparse
+from tidepool.entrypoints.openai.serving_tei import TeiServing
 from tidepool.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
 logger = logging.getLogger("tidepool")
@@ -50,6 +55,8 @@ class ServedModel:
     tokenization: OpenAIServingTokenization
     generation: OpenAIServingGeneration
     sparse: OpenAIServingSparse
+    cohere: CohereServing
+    tei: TeiServing
 
     @property
     def name(self) -> str:
@@ -78,9 +85,15 @@ class ServedModels:
             generation = OpenAIServingGeneration(
                 named.engine, serving, tokenization, metrics, state
             )
-            sparse = OpenAIServingSparse(serving)
             model = ServedModel(
-                named.names, named.engine, serving, tokenization, generation, sparse
+                named.names,
+                named.engine,
+                serving,
+                tokenization,
+                generation,
+                OpenAIServingSparse(serving),
+                CohereServing(serving),
+                TeiServing(serving),
             )
             for name in named.names:
                 if name in self._by_name:
@@ -108,6 +121,15 @@ class ServedModels:
                 "model",
             )
         return model
+
+    def serving_task(self, task: str | None) -> ServedModel:
+        """The first model that serves the pooling task (None: any), else the default (which
+        then answers its own 400): for the routes whose requests name no model (TEI's)."""
+        if task is not None:
+            for model in self.models:
+                if task in model.engine.supported_tasks:
+                    return model
+        return self.default
 
     def model_list(self) -> p.ModelList:
         return p.ModelList(data=[card for m in self.models for card in m.serving.models().data])

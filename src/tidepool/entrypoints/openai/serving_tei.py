@@ -5,6 +5,7 @@ only with --api-style tei. Answers are TEI's bare JSON arrays."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tidepool.entrypoints.openai import protocol_tei as pt
@@ -14,7 +15,6 @@ from tidepool.entrypoints.openai.serving import OpenAIServing
 from tidepool.outputs import PoolingRequestOutput
 
 _SIDES = {"Right": "right", "Left": "left"}
-Handler = Callable[[Any], Awaitable[Any]]
 
 
 def _truncation(req: pt._Truncation) -> dict[str, Any]:
@@ -61,13 +61,6 @@ class TeiServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
         self.engine = serving.engine
-        self.routes: dict[str, tuple[Handler, type]] = {
-            "/embed": (self.embed, pt.TeiEmbedRequest),
-            "/embed_all": (self.embed_all, pt.TeiEmbedAllRequest),
-            "/predict": (self.predict, pt.TeiPredictRequest),
-            "/rerank": (self.rerank, pt.TeiRerankRequest),
-            "/tokenize": (self.tokenize, pt.TeiTokenizeRequest),
-        }
 
     def _prompt(self, prompt_name: str | None) -> str:
         """The text of a sentence-transformers prompt of the model; 400 for an unknown one."""
@@ -214,3 +207,23 @@ def _tokens(
         )
         tokens.append(token.model_dump())
     return tokens
+
+
+@dataclass(frozen=True)
+class TeiRoute:
+    """One TEI route: its handler, its body, and the pooling task a model needs to serve it."""
+
+    handler: Callable[[TeiServing, Any], Awaitable[Any]]
+    body_type: type
+    task: str | None
+    """On a server of several models, TEI's requests (which name no model) go to the first
+    model serving this task; None: the first model."""
+
+
+TEI_ROUTES: dict[str, TeiRoute] = {
+    "/embed": TeiRoute(TeiServing.embed, pt.TeiEmbedRequest, "embed"),
+    "/embed_all": TeiRoute(TeiServing.embed_all, pt.TeiEmbedAllRequest, "token_embed"),
+    "/predict": TeiRoute(TeiServing.predict, pt.TeiPredictRequest, "classify"),
+    "/rerank": TeiRoute(TeiServing.rerank, pt.TeiRerankRequest, "score"),
+    "/tokenize": TeiRoute(TeiServing.tokenize, pt.TeiTokenizeRequest, None),
+}
