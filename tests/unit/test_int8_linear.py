@@ -101,3 +101,19 @@ def test_a_row_does_not_depend_on_its_neighbours() -> None:
     for row in (0, 7, 299):
         assert torch.equal(int8(x[row : row + 1])[0], batched[row])
     assert torch.equal(int8(x[100:164]), batched[100:164])
+
+
+def test_quantize_per_token_rounds_like_torch_round() -> None:
+    """The shifted-float rounding (no round pass) against the plain form: equal but for ties."""
+    x = _inputs(256, 384)
+    smoothing = torch.rand(384) + 0.5
+    q, scale = quantize_per_token(x, smoothing)
+    xs = x * smoothing
+    amax = xs.abs().amax(dim=1, keepdim=True)
+    torch.testing.assert_close(scale, amax / 127)
+    plain = torch.round(xs * (127.0 / amax)).to(torch.int8)
+    differ = (q.int() - plain.int()).abs()
+    assert differ.max() <= 1 and (differ > 0).sum() <= 10
+    assert q.abs().max() == 127 and q.dtype == torch.int8
+    zeros, zero_scale = quantize_per_token(torch.zeros(3, 384))
+    assert not zeros.any() and (zero_scale > 0).all()

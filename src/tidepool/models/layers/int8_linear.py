@@ -34,6 +34,9 @@ from tidepool.models.layers.linear import Linear
 _PACK_BATCH_HINT = 4096
 # A row of zeros gets this scale instead of 0 (its int8 values are 0 either way).
 _MIN_SCALE = 1e-12
+# 1.5 · 2²³ (bits 0x4B400000): adding it to a float32 v (|v| < 2²²) rounds v to an integer, held
+# in the low mantissa bits (two's complement in the low byte for |v| <= 127).
+_ROUNDING_SHIFT = torch.tensor(12582912.0)
 
 
 def int8_gemm_available() -> bool:
@@ -41,11 +44,24 @@ def int8_gemm_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] float32 → (q [T, K] int8, scale [T, 1] float32): symmetric, each row's abs-max to
-    127 (round to nearest even)."""
-    amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=_MIN_SCALE)
-    q = torch.round(x * (127.0 / amax)).to(torch.int8)
+def quantize_per_token(
+    x: torch.Tensor, smoothing: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] float32 (times `smoothing` [K] when given) → (q [T, K] int8, scale [T, 1]
+    float32): symmetric, each row's abs-max to 127, rounded to nearest even.
+
+    Three passes over x (four with smoothing): the row max (`vector_norm(inf)`: no |x| copy),
+    then x · 127/max + 1.5·2²³ in one `addcmul`, whose float32 result holds the rounded integer
+    in its low mantissa bits (for |v| < 2²²), so viewing the bits as int32 and casting keeps v:
+    no separate round pass (ties may round differently from torch.round: one rounding of the
+    exact product instead of two). Measured 2.5x the round-and-cast form at [4096, 384]."""
+    if smoothing is not None:
+        x = x * smoothing
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_(min=_MIN_SCALE)
+    shifted = torch.addcmul(_ROUNDING_SHIFT, x, 127.0 / amax)
+    # The cast to int8 keeps the low byte (torch truncates, it does not saturate: tested), and
+    # the shift's low byte is 0, so no subtraction pass either.
+    q = shifted.view(torch.int32).to(torch.int8)
     return q, amax.mul_(1.0 / 127.0)
 
 
@@ -113,10 +129,7 @@ class Int8Linear(nn.Module):
     ) -> torch.Tensor:
         """activation(x @ W.T + b), plus `residual` or times `multiply`; x [..., K] float32."""
         lead = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
-        if self.input_smoothing is not None:
-            x2d = x2d * self.input_smoothing
-        q, scale = quantize_per_token(x2d)
+        q, scale = quantize_per_token(x.reshape(-1, self.in_features), self.input_smoothing)
         # acc · w_scale in float32 (the activation scale 1: the per-token scale follows).
         y = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, 0, self._packed, self.weight_scale, self._weight_zero_points,
