@@ -106,6 +106,24 @@ def test_cli_flag_reaches_the_engine(command: list[str]) -> None:
     assert _engine_kwargs(build_parser().parse_args(command))["quantization"] is None
 
 
+def test_server_engine_runs_int8(tiny_model_path, tiny_llm) -> None:
+    """`tidepool serve --quantization int8` builds its engine with AsyncEngine.from_args."""
+    import asyncio
+
+    from tidepool import PoolingParams
+    from tidepool.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_args(str(tiny_model_path("bert")), quantization="int8")
+    engine.start()
+    try:
+        outputs = asyncio.run(engine.encode(TEXTS, [PoolingParams(task="embed")] * len(TEXTS)))
+    finally:
+        asyncio.run(engine.shutdown())
+    vectors = torch.stack([torch.as_tensor(o.outputs.data).flatten() for o in outputs])
+    cos = torch.nn.functional.cosine_similarity(vectors, _vectors(tiny_llm("bert"), TEXTS))
+    assert 0.99 <= cos.min() and cos.max() < 1.0 - 1e-7
+
+
 def test_cli_embed_runs_int8(tmp_path: Path, tiny_model_path) -> None:
     from tidepool.entrypoints.cli import main
 
