@@ -8,9 +8,9 @@ scores, softmax and P·V (tidepool's float32 kernel: 4% of the FLOPs, and softma
 errors would grow), the pooler and the classification heads (`nn.Linear`: one row per sequence).
 
 Load, in three steps (`quantize_model`):
-  1. calibrate: run the float32 model on a fixed sample (CALIBRATION_TEXTS, random ids) and record each linear's
-     largest input per channel (a forward pre-hook);
-  2. swap: each `Linear` → `Int8Linear`, its inputs divided per channel by a smoothing factor
+  1. calibrate: run the float32 model on a fixed sample (CALIBRATION_TEXTS and random ids) and
+     record the largest input per channel of the linears that read a LayerNorm output;
+  2. swap: each `Linear` → `Int8Linear`; QKV's and FFN-up's inputs divided per channel by a factor
      folded into the weight (SmoothQuant: c_k = amax_k^α / max_n |W_nk|^(1-α)), which moves the
      LayerNorm outputs' outlier channels into the weights, where each output channel has its
      own scale;
@@ -56,6 +56,12 @@ SMOOTHING_ALPHA = 0.5
 float32): no smoothing 0.9918 / 0.9955; calibrated on CALIBRATION_TEXTS + random ids, alpha 0.5:
 0.9960 / 0.9980, alpha 0.7: 0.9943 / 0.9981 (on the texts alone 0.7 fell to 0.977: the more
 weight it moves, the more a small sample's maxima matter)."""
+
+SMOOTHED_LINEARS = ("qkv", "intermediate.dense")
+"""The linears whose input is a LayerNorm output (outlier channels) get smoothed; the others
+(attention output, FFN down) take their input as it is: all-MiniLM-L6-v2, 400 texts, smoothing
+every linear 0.9945 / 0.9979 (cos min / mean), only these 0.9961 / 0.9980, one pass less each
+for the other two."""
 
 MIN_LOAD_COSINE = 0.99
 """The lowest cosine (int8 vs float32, per sample sequence) the load check accepts."""
@@ -160,11 +166,12 @@ def quantize_model(model: nn.Module, sequences: list[torch.Tensor]) -> Quantizat
     layers stay, with a warning). Returns the check's figures."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     calibration, held_out = sequences[0::2], sequences[1::2]
-    input_amax = _calibrate(model, linears, calibration)
+    smoothed = {name: m for name, m in linears.items() if name.endswith(SMOOTHED_LINEARS)}
+    input_amax = _calibrate(model, smoothed, calibration)
     reference = _mean_pooled(model, held_out)
     for name, linear in linears.items():
         _set_submodule(
-            model, name, Int8Linear.from_linear(linear, input_amax[name], SMOOTHING_ALPHA)
+            model, name, Int8Linear.from_linear(linear, input_amax.get(name), SMOOTHING_ALPHA)
         )
     cos = torch.nn.functional.cosine_similarity(_mean_pooled(model, held_out), reference)
     check = QuantizationCheck(float(cos.min()), float(cos.mean()))
