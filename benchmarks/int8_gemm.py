@@ -14,8 +14,9 @@ taking medians, in GOP/s (2 x tokens x in x out per call):
 
 and the whole layer as an int8 mode would run it, quantizing its float32 input first:
 
-  dyn_tok     dynamic per-token scales: row abs-max → int8, qlinear with scale 1 and no bias
-              (float32 out), then the row scales and the bias (2 passes over the output)
+  dyn_tok     tidepool's Int8Linear (models/layers/int8_linear.py): per-token scales (row max,
+              one addcmul that rounds, a cast), qlinear with scale 1 and no bias (float32 out),
+              then the row scales and the bias in one addcmul
   dyn_tok_mm  the same with torch._int_mm and an eager dequantization
   static      one calibrated scale per tensor: quantize (one pass) + qlin
 
@@ -34,17 +35,14 @@ import tidepool  # noqa: F401
 # isort: split
 import torch
 
+from tidepool.models.layers.int8_linear import Int8Linear, quantize_per_token
+from tidepool.models.layers.linear import Linear
+
 MODEL_SHAPES = {
     # (in, out) of one layer's GEMMs: fused QKV, attention output, FFN up, FFN down.
     "minilm": [(384, 1152), (384, 384), (384, 1536), (1536, 384)],
     "bert": [(768, 2304), (768, 768), (768, 3072), (3072, 768)],
 }
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] float → (int8 [T, K], scale [T, 1]): symmetric, abs-max of each row → 127."""
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-8).div_(127.0)
-    return torch.round(x / scale).to(torch.int8), scale
 
 
 def _quantize_per_tensor(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -73,9 +71,9 @@ def _sides(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, objec
             q, scale, 0, qw_packed, w_scale, w_zp, bias, out_scale, 0, out_dtype, "none", [], ""
         )
 
-    def dyn_tok():
-        q, scale = quantize_per_token(x)
-        return qlin(q, 1.0, None).mul_(scale).add_(b)
+    layer = Linear(in_f, out_f)
+    layer.weight.data, layer.bias.data = w, b
+    int8_layer = Int8Linear.from_linear(layer)
 
     def dyn_tok_mm():
         q, scale = quantize_per_token(x)
@@ -87,7 +85,7 @@ def _sides(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, objec
         "int_mm": lambda: torch._int_mm(qx_tok, qw_t),
         "qlin": lambda: qlin(qx, x_scale, b),
         "qlin_i8out": lambda: qlin(qx, x_scale, b, torch.int8, 0.05),
-        "dyn_tok": dyn_tok,
+        "dyn_tok": lambda: int8_layer(x),
         "dyn_tok_mm": dyn_tok_mm,
         "static": lambda: qlin(_quantize_per_tensor(x, x_scale), x_scale, b),
         "_scale": tok_scale,
