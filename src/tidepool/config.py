@@ -177,6 +177,9 @@ class ModelConfig:
     MaxSim; None for every other model."""
     pooler: PoolerConfig = field(default_factory=PoolerConfig)
     """Pooler options given by the user (chunked processing of long inputs)."""
+    quantization: str | None = None
+    """ "int8": the encoder's linear layers run int8 GEMMs (models/quantization.py); None: the
+    model runs in `dtype` throughout."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or self.max_model_len < 1:

@@ -48,6 +48,13 @@ def test_auto_capacity_follows_the_dtype(clean_env):
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
 
 
+def test_int8_keeps_torchs_capacity(clean_env):
+    """An int8 model runs in float32 but its primitives build slowly, as bfloat16's do."""
+    assert NativeMemory.start(torch.float32, "int8").policy.cache_capacity == 1024
+    clean_env.setenv("TIDEPOOL_ONEDNN_CACHE_CAPACITY", "64")
+    assert NativeMemory.start(torch.float32, "int8").policy.cache_capacity == 64
+
+
 def test_torch_setting_changes_nothing(clean_env):
     clean_env.setenv("TIDEPOOL_ONEDNN_CACHE_CAPACITY", "torch")
     native = NativeMemory.start(torch.float32)

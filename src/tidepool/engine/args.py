@@ -73,6 +73,9 @@ class EngineArgs:
     None: Qwen3-Reranker's own template when the model is one (engine/score_template.py)."""
     score_instruction: str | None = None
     """The template's `{instruction}`; None: the built-in template's default."""
+    quantization: str | None = None
+    """ "int8" (vLLM's argument name): int8 weights (per output channel) and activations (per
+    token) in the linear layers of native encoders on CPU; None: none."""
     pooler_config: PoolerConfig | dict[str, Any] | None = None
     """Pooler options (vLLM's): {"enable_chunked_processing": true, "max_embed_len": N,
     "chunk_score_aggregation": "max"}; None: the defaults (long inputs refused)."""
@@ -91,6 +94,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             model_impl=self.model_impl,
             hf_overrides=self.hf_overrides,
+            quantization=self.quantization,
         )
         template = resolve_score_template(
             self.score_template, self.score_instruction, model_config.hf_config

@@ -46,6 +46,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument(
+        "--quantization",
+        default=None,
+        help="int8: int8 weights and activations in a native encoder's linear layers (CPU, "
+        "float32 elsewhere); default: none",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -115,6 +121,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         logger.info("ignoring vLLM flags that do not apply here: %s", ", ".join(ignored))
     return {
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "max_model_len": args.max_model_len,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,

@@ -150,6 +150,13 @@ def build_model(config: ModelConfig) -> nn.Module:
             module.process_weights_after_loading()
     # Once device and dtype are final: a machine's first run builds the CPU kernel now.
     attach_attention_backend(model, config.device, config.dtype)
+    if config.quantization == "int8":
+        from tidepool.models.quantization import calibration_sequences, quantize_model
+
+        sequences = calibration_sequences(
+            config.path, config.max_model_len, config.hf_config.vocab_size, config.seed
+        )
+        quantize_model(model, sequences)
     return model
 
 

@@ -22,6 +22,7 @@ from tidepool import envs
 from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
 from tidepool.models.colbert import COLBERT_IR_ARCHITECTURES, load_multi_vector
 from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
+from tidepool.models.quantization import check_quantization, check_quantization_target
 from tidepool.models.registry import (
     get_model_class,
     has_implementation,
@@ -83,6 +84,7 @@ def build_model_config(
     trust_remote_code: bool = False,
     model_impl: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
+    quantization: str | None = None,
 ) -> ModelConfig:
     """The ModelConfig of `model` (a folder or a model id found offline); raises ValueError for a
     choice the model cannot run (a runner without a head, a dtype, a too long max_model_len).
@@ -107,13 +109,16 @@ def build_model_config(
     ):
         multi_vector, st = found
     torch_device = torch.device(device) if device else default_device()
+    model_dtype = resolve_dtype(dtype, torch_device, _checkpoint_dtype(hf_config))
+    check_quantization(quantization, resolved.architecture, resolved.model_impl)
+    check_quantization_target(quantization, torch_device, model_dtype)
     config = ModelConfig(
         model=str(model),
         path=path,
         hf_config=hf_config,
         architecture=resolved.architecture,
         task=resolved.task,
-        dtype=resolve_dtype(dtype, torch_device, _checkpoint_dtype(hf_config)),
+        dtype=model_dtype,
         device=torch_device,
         max_model_len=_resolve_max_model_len(max_model_len, hf_config, resolved, st),
         st=st,
@@ -125,6 +130,7 @@ def build_model_config(
         output_head=resolved.output_head,
         sparse=resolved.sparse,
         multi_vector=multi_vector,
+        quantization=quantization,
     )
     if resolved.fallback_on_forward_error:
         from tidepool.models.fallback import fallback_if_backend_fails

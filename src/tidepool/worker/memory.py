@@ -70,19 +70,22 @@ class NativeMemory:
         """How many times the heap was trimmed (for tests and logs)."""
 
     @classmethod
-    def start(cls, dtype: torch.dtype) -> NativeMemory:
-        """Apply TIDEPOOL_ONEDNN_CACHE_CAPACITY for a model of `dtype`: cap oneDNN's caches
+    def start(cls, dtype: torch.dtype, quantization: str | None = None) -> NativeMemory:
+        """Apply TIDEPOOL_ONEDNN_CACHE_CAPACITY for a model of `dtype` (int8 `quantization`: as
+        bfloat16, torch's 1,024: an int8 primitive took ~0.9 ms to build against ~0.2 ms to run
+        at 100-130 rows, so a 256 cap would thrash like bfloat16's): cap oneDNN's caches
         (unless the user set their variables) and find glibc's malloc_trim. Must run before the process's
         first oneDNN primitive (oneDNN reads the capacities once); the runner calls it before
         loading the model, whose weight packing creates the first primitives."""
         setting = envs.onednn_cache_capacity()
         if setting == "torch":
             return cls(NativeMemoryPolicy(cache_capacity=None, trims=False))
-        capacity = (
-            CACHE_CAPACITY_BY_DTYPE.get(dtype, DEFAULT_CACHE_CAPACITY)
-            if setting == "auto"
-            else int(setting)
-        )
+        if setting != "auto":
+            capacity = int(setting)
+        elif quantization is not None:
+            capacity = DEFAULT_CACHE_CAPACITY
+        else:
+            capacity = CACHE_CAPACITY_BY_DTYPE.get(dtype, DEFAULT_CACHE_CAPACITY)
         for name in CACHE_CAPACITY_VARIABLES:
             os.environ.setdefault(name, str(capacity))
         malloc_trim = _find_malloc_trim()

@@ -63,7 +63,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         # Before the model loads: its weight packing creates the first oneDNN primitives.
-        self.memory = NativeMemory.start(config.model.dtype)
+        self.memory = NativeMemory.start(config.model.dtype, config.model.quantization)
         self.device = config.model.device
         torch.manual_seed(config.model.seed)
         self.model = _check_contract(build_model(config.model), config.model)

@@ -1,0 +1,166 @@
+"""The int8 linear layer: int8 weights (one scale per output channel, packed for oneDNN once) and
+int8 activations (one scale per token, chosen at run time), int32 accumulation.
+
+    x [T, K] float32 ─ per-token abs-max ─▶ q [T, K] int8, s [T, 1]   (s = max_k |x_tk| / 127)
+    acc = q @ Wq.T                          int32, exact: |acc| <= K · 127² < 2³¹ for K < 133,000
+    y = s · (acc · w_scale) + b  → activation, + residual / · multiply   (float32)
+
+The GEMM is oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, VNNI / AMX-int8), which
+applies `w_scale` as it writes float32. Its activation scale must be one number per tensor, so
+the per-token scale and the bias run after it, then the activation: measured cheaper than any
+other way PyTorch offers here (docs/performance.md, "int8").
+
+Per-token scales keep each row's result independent of the other rows in the batch; and the
+integer accumulation is exact, so a text's vector does not depend on its neighbours at all.
+
+Error bound (worst case, per output element; what tests/unit/test_int8_linear.py checks): with
+x = s_x·q + e, |e| <= s_x/2 and w = s_w·p + d, |d| <= s_w/2,
+
+    |y - y_ref| <= (s_w/2)·‖x_t‖₁ + (s_x/2)·‖w_n‖₁ + K·s_x·s_w/4        (+ float32 rounding)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+
+from tidepool.models.layers.activation import get_activation
+from tidepool.models.layers.linear import Linear
+
+# oneDNN's packing takes a hint of the typical number of rows; a step holds thousands of tokens.
+_PACK_BATCH_HINT = 4096
+# A row of zeros gets this scale instead of 0 (its int8 values are 0 either way).
+_MIN_SCALE = 1e-12
+# 1.5 · 2²³ (bits 0x4B400000): adding it to a float32 v (|v| < 2²²) rounds v to an integer, held
+# in the low mantissa bits (two's complement in the low byte for |v| <= 127).
+_ROUNDING_SHIFT = torch.tensor(12582912.0)
+
+
+def int8_gemm_available() -> bool:
+    """This torch has oneDNN's int8 linear (x86 CPUs)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def quantize_per_token(
+    x: torch.Tensor, smoothing: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] float32 (times `smoothing` [K] when given) → (q [T, K] int8, scale [T, 1]
+    float32): symmetric, each row's abs-max to 127, rounded to nearest even.
+
+    Three passes over x (four with smoothing): the row max (`vector_norm(inf)`: no |x| copy),
+    then x · 127/max + 1.5·2²³ in one `addcmul`, whose float32 result holds the rounded integer
+    in its low mantissa bits (for |v| < 2²²), so viewing the bits as int32 and casting keeps v:
+    no separate round pass (ties may round differently from torch.round: one rounding of the
+    exact product instead of two). Measured 2.5x the round-and-cast form at [4096, 384]."""
+    if smoothing is not None:
+        x = x * smoothing
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_(min=_MIN_SCALE)
+    shifted = torch.addcmul(_ROUNDING_SHIFT, x, 127.0 / amax)
+    # The cast to int8 keeps the low byte (torch truncates, it does not saturate: tested), and
+    # the shift's low byte is 0, so no subtraction pass either.
+    q = shifted.view(torch.int32).to(torch.int8)
+    return q, amax.mul_(1.0 / 127.0)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] → (int8 [N, K], scale [N] float32): one symmetric scale per output channel."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_(min=_MIN_SCALE) / 127.0
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+class Int8Linear(nn.Module):
+    """A drop-in for `Linear` (same forward: activation, `residual`, `multiply`) computing the
+    GEMM in int8. Built from a loaded float32 `Linear` by `from_linear`."""
+
+    def __init__(
+        self,
+        weight_q: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        activation: str | None,
+        input_smoothing: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_q.shape
+        self.activation = activation
+        self._act = None
+        if activation:
+            self._act = _INPLACE_ACTIVATIONS.get(activation, get_activation(activation))
+        self.register_buffer("weight_scale", weight_scale.contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.register_buffer(
+            "input_smoothing",
+            None if input_smoothing is None else input_smoothing.float().contiguous(),
+            persistent=False,
+        )
+        """[K]: inputs are multiplied by it before quantizing (1 / the SmoothQuant factor)."""
+        self._weight_zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+        self._packed = torch.ops.onednn.qlinear_prepack(
+            weight_q, [_PACK_BATCH_HINT, self.in_features]
+        )
+
+    @classmethod
+    def from_linear(
+        cls, linear: Linear, input_amax: torch.Tensor | None = None, alpha: float = 0.5
+    ) -> Int8Linear:
+        """From a loaded `Linear`; with `input_amax` (its largest input per channel, [K], from a
+        calibration pass) the inputs are smoothed: divided per channel by
+        c_k = input_amax_k^alpha / max_n |W_nk|^(1 - alpha), the weight multiplied by it
+        (SmoothQuant), so outlier channels no longer set every token's scale."""
+        weight = linear.weight.detach().float()
+        smoothing = None
+        if input_amax is not None:
+            w_amax = weight.abs().amax(dim=0).clamp(min=1e-5)
+            c = input_amax.float().clamp(min=1e-5).pow(alpha) / w_amax.pow(1.0 - alpha)
+            weight = weight * c
+            smoothing = 1.0 / c
+        weight_q, weight_scale = quantize_weight(weight)
+        return cls(weight_q, weight_scale, linear.bias, linear.activation, smoothing)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        multiply: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """activation(x @ W.T + b), plus `residual` or times `multiply`; x [..., K] float32."""
+        lead = x.shape[:-1]
+        q, scale = quantize_per_token(x.reshape(-1, self.in_features), self.input_smoothing)
+        # acc · w_scale in float32 (the activation scale 1: the per-token scale follows).
+        y = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 0, self._packed, self.weight_scale, self._weight_zero_points,
+            None, 1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        if self.bias is not None:
+            y = torch.addcmul(self.bias, y, scale, out=y)  # one pass: s · y + b
+        else:
+            y = y.mul_(scale)
+        if self._act is not None:
+            y = self._act(y)
+        y = y.view(*lead, self.out_features)
+        if multiply is not None:
+            y = y.mul_(multiply)
+        if residual is not None:
+            y = y.add_(residual)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, activation={self.activation}, int8 per-token"
+        )
+
+
+# In-place forms of the activations that have one (saves a [T, N] allocation and a pass).
+_INPLACE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": torch.ops.aten.gelu_,
+    "gelu_new": partial(torch.ops.aten.gelu_, approximate="tanh"),
+    "gelu_pytorch_tanh": partial(torch.ops.aten.gelu_, approximate="tanh"),
+    "gelu_fast": partial(torch.ops.aten.gelu_, approximate="tanh"),
+    "relu": torch.relu_,
+    "tanh": torch.tanh_,
+}

@@ -1,0 +1,233 @@
+"""`quantization="int8"`: which models have the path, the checks on a setting, and swapping a
+loaded encoder's linear layers for int8 ones (models/layers/int8_linear.py), checked at load.
+
+What runs in int8: every `Linear` of the encoder body (fused QKV, attention output, FFN up and
+down; DeBERTa's position projections). What stays float32, and why (docs/performance.md, "int8"):
+the embeddings and LayerNorms (cheap, and their outputs feed the residual stream), attention
+scores, softmax and P·V (tidepool's float32 kernel: 4% of the FLOPs, and softmax is where int8
+errors would grow), the pooler and the classification heads (`nn.Linear`: one row per sequence).
+
+Load, in three steps (`quantize_model`):
+  1. calibrate: run the float32 model on a fixed sample (CALIBRATION_TEXTS and random ids) and
+     record the largest input per channel of the linears that read a LayerNorm output;
+  2. swap: each `Linear` → `Int8Linear`; QKV's and FFN-up's inputs divided per channel by a factor
+     folded into the weight (SmoothQuant: c_k = amax_k^α / max_n |W_nk|^(1-α)), which moves the
+     LayerNorm outputs' outlier channels into the weights, where each output channel has its
+     own scale;
+  3. check: the int8 model's mean-pooled states against float32 on a second sample; below
+     `MIN_LOAD_COSINE` the float32 layers stay, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tidepool.attention.metadata import build_encoder_metadata
+from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
+from tidepool.models.layers.linear import Linear
+
+logger = logging.getLogger("tidepool")
+
+QUANTIZATION_METHODS = ("int8",)
+
+INT8_ARCHITECTURES = frozenset(
+    {
+        "BertModel",
+        "RobertaModel",
+        "XLMRobertaModel",
+        "BertForSequenceClassification",
+        "RobertaForSequenceClassification",
+        "XLMRobertaForSequenceClassification",
+        "MPNetModel",
+        "MPNetForSequenceClassification",
+        "DebertaV2Model",
+        "DebertaV2ForSequenceClassification",
+    }
+)
+"""Native encoders whose linear layers are all tidepool `Linear`s (embedders, cross-encoders)."""
+
+SMOOTHING_ALPHA = 0.5
+"""SmoothQuant's migration strength. all-MiniLM-L6-v2, 400 corpus texts (cos min / mean to
+float32): no smoothing 0.9918 / 0.9955; calibrated on CALIBRATION_TEXTS + random ids, alpha 0.5:
+0.9960 / 0.9980, alpha 0.7: 0.9943 / 0.9981 (on the texts alone 0.7 fell to 0.977: the more
+weight it moves, the more a small sample's maxima matter)."""
+
+SMOOTHED_LINEARS = ("qkv", "intermediate.dense")
+"""The linears whose input is a LayerNorm output (outlier channels) get smoothed; the others
+(attention output, FFN down) take their input as it is: all-MiniLM-L6-v2, 400 texts, smoothing
+every linear 0.9945 / 0.9979 (cos min / mean), only these 0.9961 / 0.9980, one pass less each
+for the other two."""
+
+MIN_LOAD_COSINE = 0.99
+"""The lowest cosine (int8 vs float32, per sample sequence) the load check accepts."""
+
+# The calibration pass and the load check run on ordinary text, tokenized by the model's own
+# tokenizer, and on as many sequences of random token ids (together they measured the most robust
+# of text, random ids, both, and 300 corpus texts); even sequences calibrate, odd ones check.
+CALIBRATION_TEXTS = (
+    "The committee postponed its decision on the new bridge until the engineers report in March.",
+    "How do I reset my password if I no longer have access to the email on my account?",
+    "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
+    "She moved to Lisbon in 2019, learned Portuguese in a year and now teaches history there.",
+    "Add two cups of flour, a pinch of salt and the melted butter, then stir until smooth.",
+    "The quarterly report shows revenue up 12% while operating costs fell for a third quarter.",
+    "A transformer encoder maps a sequence of tokens to contextual vectors, one per token, "
+    "using self-attention layers followed by feed-forward networks and layer normalization.",
+    "Is it safe to take ibuprofen together with antibiotics?",
+    "The river flooded the lower town twice last century; the new levee was finished in 1998.",
+    "Customers who bought this lens also bought a polarizing filter and a spare battery.",
+    "Error 404: the page you are looking for might have been removed or is temporarily "
+    "unavailable. Check the address, or go back to the home page and search from there.",
+    "In chess, castling moves the king two squares towards a rook and the rook to its other side.",
+    "Best hiking trails near Denver with waterfalls",
+    "The defendant's lawyer argued that the contract was void because it was never signed.",
+    "Volcanic ash can ground aircraft for days, as Europe learned in April 2010 when an "
+    "Icelandic eruption closed much of its airspace and stranded millions of travellers.",
+    "Our team meets every Tuesday at ten to review open tickets and plan the next sprint.",
+)
+
+
+@dataclass(frozen=True)
+class QuantizationCheck:
+    """What the load check measured."""
+
+    min_cosine: float
+    """Lowest cosine of a sample sequence's mean-pooled states, int8 vs float32."""
+    mean_cosine: float
+    """Their mean."""
+
+    @property
+    def passed(self) -> bool:
+        return self.min_cosine >= MIN_LOAD_COSINE
+
+
+def check_quantization(quantization: str | None, architecture: str, model_impl: str) -> None:
+    """ValueError for a method tidepool does not have or a model without the path."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATION_METHODS)}"
+        )
+    if model_impl != "native" or architecture not in INT8_ARCHITECTURES:
+        raise ValueError(
+            f"quantization={quantization!r} has no path for {architecture} ({model_impl}); it "
+            f"runs on the native encoders: {', '.join(sorted(INT8_ARCHITECTURES))}"
+        )
+
+
+def check_quantization_target(
+    quantization: str | None, device: torch.device, dtype: torch.dtype
+) -> None:
+    """ValueError where the int8 path cannot run: not a CPU, no oneDNN int8, not float32."""
+    if quantization is None:
+        return
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization={quantization!r} runs on CPU only (oneDNN's int8 GEMM), not on "
+            f"{device}; on a GPU use dtype='bfloat16' or 'float16'"
+        )
+    if not int8_gemm_available():
+        raise ValueError(
+            f"quantization={quantization!r} needs a torch with oneDNN's int8 linear "
+            "(torch.ops.onednn.qlinear_pointwise; x86 builds)"
+        )
+    if dtype != torch.float32:
+        raise ValueError(
+            f"quantization={quantization!r} runs the layers around its int8 GEMMs in float32; "
+            f"leave dtype 'auto' or 'float32' (got {dtype})"
+        )
+
+
+def calibration_sequences(
+    path: Path, max_model_len: int, vocab_size: int, seed: int = 0
+) -> list[torch.Tensor]:
+    """CALIBRATION_TEXTS as token ids [len] by the model's tokenizer (with its special tokens),
+    and as many fixed-seed random id sequences of the same lengths; longest first (the packed
+    batch's order)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    encoded = tokenizer(list(CALIBRATION_TEXTS), truncation=True, max_length=max_model_len)
+    sequences = [torch.tensor(ids, dtype=torch.int64) for ids in encoded["input_ids"]]
+    generator = torch.Generator().manual_seed(seed)
+    sequences += [torch.randint(0, vocab_size, (len(s),), generator=generator) for s in sequences]
+    return sorted(sequences, key=len, reverse=True)
+
+
+def quantize_model(model: nn.Module, sequences: list[torch.Tensor]) -> QuantizationCheck:
+    """Swap the loaded float32 model's `Linear`s for `Int8Linear`s in place, calibrated on the
+    even `sequences` and checked on the odd ones, unless the check fails (then the float32
+    layers stay, with a warning). Returns the check's figures."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    calibration, held_out = sequences[0::2], sequences[1::2]
+    smoothed = {name: m for name, m in linears.items() if name.endswith(SMOOTHED_LINEARS)}
+    input_amax = _calibrate(model, smoothed, calibration)
+    reference = _mean_pooled(model, held_out)
+    for name, linear in linears.items():
+        _set_submodule(
+            model, name, Int8Linear.from_linear(linear, input_amax.get(name), SMOOTHING_ALPHA)
+        )
+    cos = torch.nn.functional.cosine_similarity(_mean_pooled(model, held_out), reference)
+    check = QuantizationCheck(float(cos.min()), float(cos.mean()))
+    if not check.passed:
+        for name, linear in linears.items():
+            _set_submodule(model, name, linear)
+        logger.warning(
+            "int8 quantization kept float32: the load check's cosine to float32 was %.4f (min; "
+            "needs >= %.2f) on a sample",
+            check.min_cosine,
+            MIN_LOAD_COSINE,
+        )
+    return check
+
+
+def _forward(model: nn.Module, sequences: list[torch.Tensor]) -> torch.Tensor:
+    """Hidden states [num_tokens, hidden] of the packed sequences (longest first, as the runner
+    orders a step)."""
+    seq_lens = [len(s) for s in sequences]
+    positions = torch.cat([torch.arange(n) for n in seq_lens])
+    meta = build_encoder_metadata(
+        seq_lens, torch.device("cpu"), num_heads=model.config.num_attention_heads,
+        dtype=torch.float32,
+    )  # fmt: skip
+    with torch.inference_mode():
+        return model(torch.cat(sequences), positions, meta)
+
+
+def _mean_pooled(model: nn.Module, sequences: list[torch.Tensor]) -> torch.Tensor:
+    hidden = _forward(model, sequences)
+    return torch.stack([part.mean(0) for part in hidden.split([len(s) for s in sequences])])
+
+
+def _calibrate(
+    model: nn.Module, linears: dict[str, Linear], sequences: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Each linear's largest absolute input per channel over the sample: name → [in_features]."""
+    input_amax: dict[str, torch.Tensor] = {}
+
+    def record(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            amax = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
+            seen = input_amax.get(name)
+            input_amax[name] = amax if seen is None else torch.maximum(seen, amax)
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(record(name)) for name, m in linears.items()]
+    try:
+        _forward(model, sequences)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return input_amax
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
