@@ -20,6 +20,7 @@ from torch import nn
 from tidepool.attention.backend import PAGED_SDPA, AttentionSpec, DecoderAttentionBackend
 from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from tidepool.models.layers import cpu_ops
 from tidepool.models.layers.linear import Linear
 from tidepool.models.layers.rmsnorm import RMSNorm
 from tidepool.models.layers.rotary import RotaryEmbedding, apply_rotary
@@ -72,6 +73,13 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = self.norm_cls(self.head_size, config.rms_norm_eps)
             self.k_norm = self.norm_cls(self.head_size, config.rms_norm_eps)
+        self._fused_qk = False
+
+    def process_weights_after_loading(self) -> None:
+        """float32 on CPU: q / k norm and RoPE in one pass of tidepool's kernel (cpu_ops.py);
+        a norm other than plain RMSNorm (Gemma's 1 + weight) keeps the torch ops."""
+        plain_norm = not self.qk_norm or self.norm_cls is RMSNorm
+        self._fused_qk = plain_norm and cpu_ops.usable(self.qkv_proj.weight)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if self.sliding_window is not None:
@@ -103,7 +111,9 @@ class DecoderAttention(nn.Module):
         num_qk_heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_size)
         cos, sin = cos_sin
-        if self.qk_norm:
+        if self._fused_qk and cos.dtype == torch.float32:
+            q, k = self._norm_rope_fused(qkv, cos, sin)
+        elif self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_size))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view_as(v))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -118,6 +128,28 @@ class DecoderAttention(nn.Module):
         meta = attn_metadata.for_layer(self.layer_index)
         return self.attention_backend.paged_attention(
             q, k, v, kv_cache, meta, self.scale, self.softcap
+        )
+
+    def _norm_rope_fused(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] from one pass over qkv's q and k columns."""
+        num_tokens = qkv.shape[0]
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            -1, self.num_heads + self.num_kv_heads, self.head_size
+        )
+        q_weight = k_weight = None
+        eps = 0.0
+        if self.qk_norm:
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        return cpu_ops.qk_norm_rope(
+            qk,
+            self.num_heads,
+            q_weight,
+            k_weight,
+            eps,
+            cos.view(num_tokens, -1),
+            sin.view(num_tokens, -1),
         )
 
 

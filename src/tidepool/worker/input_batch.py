@@ -20,6 +20,7 @@ from tidepool.attention.paged_metadata import (
     AttentionView,
     PagedAttentionMetadata,
     build_group_metadata,
+    causal_row_max_len,
     plan_buckets,
     split_rows,
 )
@@ -129,7 +130,9 @@ def build_causal_batch(
     positions = torch.arange(num_tokens) + offsets
     token_request = torch.repeat_interleave(torch.arange(len(requests)), query_lens_t)
 
-    rows = split_rows(context_lens, query_lens)
+    rows = split_rows(
+        context_lens, query_lens, causal_max_len=causal_row_max_len([v.spec for v in views])
+    )
     first_spec = views[0].spec
     spans = plan_buckets(rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction)
     block_tables: dict[int, torch.Tensor] = {}

@@ -1,0 +1,133 @@
+// tidepool's CPU element-wise kernels for the decoders (float32): RMSNorm, and the per-head
+// q/k RMSNorm (Qwen3) fused with RoPE. Each is one pass over its rows instead of the 4-6 passes
+// (and their temporaries) of the torch ops; the loops are written for the compiler to vectorise
+// (-O3 -mavx512f, `omp simd` reductions), parallel over tokens with ATen's parallel_for.
+// Loaded by models/layers/cpu_ops.py, which keeps the torch ops as the fallback.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGrain = 16;  // tokens per parallel task: small steps still use every thread
+
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+// out = x / rms(x) * weight, row by row. x: [T, H] (any row stride), out: [T, H] contiguous.
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "x: float32 [T, H] with contiguous rows");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == at::kFloat,
+              "out: contiguous float32 like x");
+  const int64_t T = x.size(0), H = x.size(1), row = x.stride(0);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == H && weight.scalar_type() == at::kFloat,
+              "weight: float32 [H]");
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* src = xp + t * row;
+      float* dst = op + t * H;
+      const float inv = inv_rms(src, H, e);
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) dst[i] = src[i] * inv * wp[i];
+    }
+  });
+}
+
+// One head: optional RMSNorm over D, then rotate-half RoPE over the first 2 * half dims.
+inline void norm_rope_head(const float* src, const float* weight, float eps, const float* cos,
+                           const float* sin, int64_t D, int64_t half, float* buf, float* dst) {
+  const float* x = src;
+  if (weight != nullptr) {
+    const float inv = inv_rms(src, D, eps);
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) buf[i] = src[i] * inv * weight[i];
+    x = buf;
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    dst[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    dst[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+  }
+  for (int64_t i = 2 * half; i < D; ++i) dst[i] = x[i];
+}
+
+// qk: [T, Hq + Hk, D] view of the fused QKV output (any token stride; heads and D contiguous):
+// q heads first, then k heads. cos / sin: [T, half] float32 contiguous. q_weight / k_weight: [D]
+// per-head RMSNorm weights, or undefined for no norm. Writes q_out [T, Hq, D] and
+// k_out [T, Hk, D] (contiguous).
+void qk_norm_rope(const at::Tensor& qk, int64_t num_q_heads,
+                  const c10::optional<at::Tensor>& q_weight,
+                  const c10::optional<at::Tensor>& k_weight, double eps, const at::Tensor& cos,
+                  const at::Tensor& sin, at::Tensor& q_out, at::Tensor& k_out) {
+  TORCH_CHECK(qk.dim() == 3 && qk.scalar_type() == at::kFloat && qk.stride(2) == 1 &&
+                  qk.stride(1) == qk.size(2),
+              "qk: float32 [T, heads, D] with contiguous heads");
+  const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2), row = qk.stride(0);
+  const int64_t Hq = num_q_heads, Hk = H - Hq;
+  TORCH_CHECK(Hq > 0 && Hk >= 0, "num_q_heads out of range");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == T &&
+                  sin.sizes() == cos.sizes() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && 2 * cos.size(1) <= D,
+              "cos / sin: float32 [T, half] contiguous, 2 * half <= D");
+  TORCH_CHECK(q_out.is_contiguous() && q_out.numel() == T * Hq * D &&
+                  q_out.scalar_type() == at::kFloat,
+              "q_out: contiguous float32 [T, Hq, D]");
+  TORCH_CHECK(Hk == 0 || (k_out.is_contiguous() && k_out.numel() == T * Hk * D &&
+                          k_out.scalar_type() == at::kFloat),
+              "k_out: contiguous float32 [T, Hk, D]");
+  auto check_weight = [&](const c10::optional<at::Tensor>& w) -> const float* {
+    if (!w.has_value() || !w->defined()) return nullptr;
+    TORCH_CHECK(w->is_contiguous() && w->numel() == D && w->scalar_type() == at::kFloat,
+                "norm weight: float32 [D]");
+    return w->data_ptr<float>();
+  };
+  const float* qw = check_weight(q_weight);
+  const float* kw = check_weight(k_weight);
+  const int64_t half = cos.size(1);
+  const float* src = qk.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qo = q_out.data_ptr<float>();
+  float* ko = Hk > 0 ? k_out.data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* x = src + t * row;
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int64_t h = 0; h < Hq; ++h)
+        norm_rope_head(x + h * D, qw, e, c, s, D, half, buf.data(), qo + (t * Hq + h) * D);
+      for (int64_t h = 0; h < Hk; ++h)
+        norm_rope_head(x + (Hq + h) * D, kw, e, c, s, D, half, buf.data(),
+                       ko + (t * Hk + h) * D);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tidepool_decoder, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  m.def(
+      "qk_norm_rope(Tensor qk, int num_q_heads, Tensor? q_weight, Tensor? k_weight, float eps, "
+      "Tensor cos, Tensor sin, Tensor(a!) q_out, Tensor(b!) k_out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tidepool_decoder, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("qk_norm_rope", &qk_norm_rope);
+}
