@@ -1,14 +1,15 @@
-// tidepool's CPU element-wise kernels for the decoders (float32): RMSNorm, and the per-head
-// q/k RMSNorm (Qwen3) fused with RoPE. Each is one pass over its rows instead of the 4-6 passes
+// tidepool's CPU element-wise kernels for the decoders: RMSNorm and the per-head q/k RMSNorm
+// (Qwen3) fused with RoPE (float32), and the KV-cache write (any dtype). Each is one pass over its rows instead of the 4-6 passes
 // (and their temporaries) of the torch ops; the loops are written for the compiler to vectorise
 // (-O3 -mavx512f, `omp simd` reductions), parallel over tokens with ATen's parallel_for.
-// Loaded by models/layers/cpu_ops.py, which keeps the torch ops as the fallback.
+// Loaded by attention/cpu_decoder_ops.py, which keeps the torch ops as the fallback.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -118,6 +119,41 @@ void qk_norm_rope(const at::Tensor& qk, int64_t num_q_heads,
   });
 }
 
+// This step's keys and values into their cache slots (any dtype: rows are copied as bytes).
+// kv_cache: contiguous [2, Hkv, num_blocks, block_size, D]; key / value: [T, Hkv, D] views (any
+// token and head strides, D contiguous); slot_mapping: [T] int64, slot = block * block_size + i.
+void write_kv(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache: contiguous 5-d");
+  const int64_t Hkv = kv_cache.size(1), D = kv_cache.size(4);
+  const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(1) == Hkv && t->size(2) == D && t->stride(2) == 1 &&
+                    t->scalar_type() == kv_cache.scalar_type() && t->size(0) == key.size(0),
+                "key / value: [T, Hkv, D] in the cache's dtype with contiguous D");
+  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.numel() == key.size(0),
+              "slot_mapping: int64 [T]");
+  const int64_t T = key.size(0), bytes = D * kv_cache.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range: ", slots[t]);
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const int64_t esize = kv_cache.element_size();
+  const int64_t half = Hkv * num_slots * bytes;  // K | V
+  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t side = 0; side < 2; ++side) {
+      const at::Tensor& src = side == 0 ? key : value;
+      const char* base = static_cast<const char*>(src.data_ptr());
+      const int64_t s0 = src.stride(0) * esize, s1 = src.stride(1) * esize;
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < Hkv; ++h)
+          std::memcpy(cache + side * half + (h * num_slots + slots[t]) * bytes,
+                      base + t * s0 + h * s1, bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tidepool_decoder, m) {
@@ -125,9 +161,11 @@ TORCH_LIBRARY(tidepool_decoder, m) {
   m.def(
       "qk_norm_rope(Tensor qk, int num_q_heads, Tensor? q_weight, Tensor? k_weight, float eps, "
       "Tensor cos, Tensor sin, Tensor(a!) q_out, Tensor(b!) k_out) -> ()");
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tidepool_decoder, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("qk_norm_rope", &qk_norm_rope);
+  m.impl("write_kv", &write_kv);
 }

@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tidepool.attention import cpu_decoder_ops
 from tidepool.attention.backend import PAGED_SDPA, AttentionSpec, DecoderAttentionBackend
 from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from tidepool.models.layers import cpu_ops
 from tidepool.models.layers.linear import Linear
 from tidepool.models.layers.rmsnorm import RMSNorm
 from tidepool.models.layers.rotary import RotaryEmbedding, apply_rotary
@@ -76,10 +76,11 @@ class DecoderAttention(nn.Module):
         self._fused_qk = False
 
     def process_weights_after_loading(self) -> None:
-        """float32 on CPU: q / k norm and RoPE in one pass of tidepool's kernel (cpu_ops.py);
-        a norm other than plain RMSNorm (Gemma's 1 + weight) keeps the torch ops."""
+        """float32 on CPU: q / k norm and RoPE in one pass of tidepool's kernel
+        (attention/cpu_decoder_ops.py); a norm other than plain RMSNorm (Gemma's 1 + weight)
+        keeps the torch ops."""
         plain_norm = not self.qk_norm or self.norm_cls is RMSNorm
-        self._fused_qk = plain_norm and cpu_ops.usable(self.qkv_proj.weight)
+        self._fused_qk = plain_norm and cpu_decoder_ops.usable(self.qkv_proj.weight)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if self.sliding_window is not None:
@@ -142,7 +143,7 @@ class DecoderAttention(nn.Module):
         eps = 0.0
         if self.qk_norm:
             q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        return cpu_ops.qk_norm_rope(
+        return cpu_decoder_ops.qk_norm_rope(
             qk,
             self.num_heads,
             q_weight,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidepool.models.layers import cpu_ops
+from tidepool.attention import cpu_decoder_ops
 
 
 class RMSNorm(nn.Module):
@@ -17,12 +17,12 @@ class RMSNorm(nn.Module):
         self._one_pass = False
 
     def process_weights_after_loading(self) -> None:
-        """float32 on CPU: one pass in tidepool's kernel (models/layers/cpu_ops.py)."""
-        self._one_pass = cpu_ops.usable(self.weight)
+        """float32 on CPU: one pass in tidepool's kernel (attention/cpu_decoder_ops.py)."""
+        self._one_pass = cpu_decoder_ops.usable(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._one_pass and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1:
-            return cpu_ops.rms_norm(x, self.weight, self.eps)
+            return cpu_decoder_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # Four passes, the temporaries reused: on CPU F.rms_norm decomposes into more ops and
             # is 2x slower (8,192 x 512: 8.9 vs 17.8 ms).

@@ -1,14 +1,16 @@
-"""tidepool's CPU element-wise kernels for the decoders (csrc/cpu_decoder_ops.cpp), float32:
-RMSNorm in one pass, and the per-head q / k RMSNorm (Qwen3) fused with RoPE into one pass over
-the QKV GEMM's output.
+"""tidepool's CPU kernels for the decoders (csrc/cpu_decoder_ops.cpp): RMSNorm in one pass and
+the per-head q / k RMSNorm (Qwen3) fused with RoPE into one pass over the QKV GEMM's output
+(float32; the models call them, models/llama.py and layers/rmsnorm.py), and the paged KV-cache
+write (any dtype; paged.py).
 
 Why: on the Qwen3-Embedding-shaped body (benchmarks/decoder_embed.py) the torch forms of these
-took ~12% of a pass (RoPE's broadcast multiplies over strided halves, the norm's four passes over
-strided heads); figures in docs/performance.md, "Decoder pooling". Built on first use with torch's
-C++ extension loader like attention/cpu_kernels.py (named by the source's hash, cached under
-TORCH_EXTENSIONS_DIR); where the build fails or the CPU has no AVX-512, `load()` says why once and
-returns None, and the layers keep their torch ops. TIDEPOOL_CPU_ATTENTION=sdpa turns these kernels
-off too (one switch for tidepool's hand-written CPU code), =native makes a failure an error.
+took ~15% of a pass (RoPE's broadcast multiplies over strided halves, the norm's four passes over
+strided heads, index_put for the cache); figures in docs/performance.md, "Decoder pooling".
+Built on first use with torch's C++ extension loader like attention/cpu_kernels.py (named by the
+source's hash, cached under TORCH_EXTENSIONS_DIR); where the build fails or the CPU has no
+AVX-512, `load()` says why once and returns None, and the callers keep their torch ops.
+TIDEPOOL_CPU_ATTENTION=sdpa turns these kernels off too (one switch for tidepool's hand-written
+CPU code), =native makes a failure an error.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tidepool.attention import cpu_kernels
 
 logger = logging.getLogger("tidepool")
 
-_SOURCE = Path(__file__).resolve().parent.parent.parent / "csrc" / "cpu_decoder_ops.cpp"
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_decoder_ops.cpp"
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512vl", "-mfma", "-std=c++17", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -78,6 +80,18 @@ def usable(tensor: torch.Tensor) -> bool:
     """Whether the kernels take this tensor's device and dtype (and are available). Builds them
     on first call: call at load time (process_weights_after_loading), not per step."""
     return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and load() is not None
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """key, value [T, Hkv, D] → their slots of kv_cache (paged.write_kv's contract); False
+    where the kernel does not apply (not CPU, not built): the caller writes with torch ops."""
+    ops = load() if kv_cache.device.type == "cpu" else None
+    if ops is None:
+        return False
+    torch.ops.tidepool_decoder.write_kv(kv_cache, key, value, slot_mapping)
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
