@@ -44,8 +44,9 @@ def test_qk_norm_rope_matches_torch(with_norm, rotary_dim):
     cos, sin = angles.cos(), angles.sin()
     q_weight = torch.randn(head_size, generator=g) if with_norm else None
     k_weight = torch.randn(head_size, generator=g) if with_norm else None
-    q, k = cpu_decoder_ops.qk_norm_rope(qk, num_heads, q_weight, k_weight, 1e-6, cos, sin)
-    q_ref, k_ref = qk[:, :num_heads], qk[:, num_heads:]
+    q_ref, k_ref = qk[:, :num_heads].clone(), qk[:, num_heads:].clone()
+    cpu_decoder_ops.qk_norm_rope_(qk, num_heads, q_weight, k_weight, 1e-6, cos, sin)
+    q, k = qk[:, :num_heads], qk[:, num_heads:]
     if with_norm:
         q_ref, k_ref = _torch_rms(q_ref, q_weight, 1e-6), _torch_rms(k_ref, k_weight, 1e-6)
     q_ref = apply_rotary(q_ref, cos[:, None], sin[:, None])

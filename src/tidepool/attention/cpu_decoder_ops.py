@@ -101,7 +101,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def qk_norm_rope(
+def qk_norm_rope_(
     qk: torch.Tensor,
     num_q_heads: int,
     q_weight: torch.Tensor | None,
@@ -109,14 +109,8 @@ def qk_norm_rope(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """qk [T, Hq + Hk, D] (q heads, then k heads; a view of the QKV output) → q [T, Hq, D],
-    k [T, Hk, D], each head RMSNorm-ed (when its weight is given) and rotated; cos / sin
-    [T, rotary_dim // 2] float32."""
-    num_tokens, num_heads, head_size = qk.shape
-    q = torch.empty(num_tokens, num_q_heads, head_size, dtype=qk.dtype)
-    k = torch.empty(num_tokens, num_heads - num_q_heads, head_size, dtype=qk.dtype)
-    torch.ops.tidepool_decoder.qk_norm_rope(
-        qk, num_q_heads, q_weight, k_weight, eps, cos, sin, q, k
-    )
-    return q, k
+) -> None:
+    """In place on qk [T, Hq + Hk, D] (q heads, then k heads; a view of the QKV output): each
+    head RMSNorm-ed (when its weight is given) and rotated; cos / sin [T, rotary_dim // 2]
+    float32. In place: a fresh [T, heads, D] output costs page faults at thousands of tokens."""
+    torch.ops.tidepool_decoder.qk_norm_rope_(qk, num_q_heads, q_weight, k_weight, eps, cos, sin)

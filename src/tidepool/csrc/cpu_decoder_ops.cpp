@@ -47,48 +47,45 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
   });
 }
 
-// One head: optional RMSNorm over D, then rotate-half RoPE over the first 2 * half dims.
-inline void norm_rope_head(const float* src, const float* weight, float eps, const float* cos,
-                           const float* sin, int64_t D, int64_t half, float* buf, float* dst) {
-  const float* x = src;
+// One head, in place: optional RMSNorm over D, then rotate-half RoPE over the first 2 * half
+// dims (the rest kept). buf: D floats of scratch.
+inline void norm_rope_head(float* x, const float* weight, float eps, const float* cos,
+                           const float* sin, int64_t D, int64_t half, float* buf) {
   if (weight != nullptr) {
-    const float inv = inv_rms(src, D, eps);
+    const float inv = inv_rms(x, D, eps);
 #pragma omp simd
-    for (int64_t i = 0; i < D; ++i) buf[i] = src[i] * inv * weight[i];
-    x = buf;
+    for (int64_t i = 0; i < D; ++i) buf[i] = x[i] * inv * weight[i];
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < 2 * half; ++i) buf[i] = x[i];
   }
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    dst[i] = x[i] * cos[i] - x[i + half] * sin[i];
-    dst[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+    x[i] = buf[i] * cos[i] - buf[i + half] * sin[i];
+    x[i + half] = buf[i + half] * cos[i] + buf[i] * sin[i];
   }
-  for (int64_t i = 2 * half; i < D; ++i) dst[i] = x[i];
+  if (weight != nullptr)
+    for (int64_t i = 2 * half; i < D; ++i) x[i] = buf[i];
 }
 
-// qk: [T, Hq + Hk, D] view of the fused QKV output (any token stride; heads and D contiguous):
-// q heads first, then k heads. cos / sin: [T, half] float32 contiguous. q_weight / k_weight: [D]
-// per-head RMSNorm weights, or undefined for no norm. Writes q_out [T, Hq, D] and
-// k_out [T, Hk, D] (contiguous).
-void qk_norm_rope(const at::Tensor& qk, int64_t num_q_heads,
-                  const c10::optional<at::Tensor>& q_weight,
-                  const c10::optional<at::Tensor>& k_weight, double eps, const at::Tensor& cos,
-                  const at::Tensor& sin, at::Tensor& q_out, at::Tensor& k_out) {
+// In place on qk: [T, Hq + Hk, D], a view of the fused QKV output (any token stride; heads and
+// D contiguous): q heads first, then k heads. cos / sin: [T, half] float32 contiguous.
+// q_weight / k_weight: [D] per-head RMSNorm weights, or undefined for no norm. In place, so that
+// no [T, heads, D] output is allocated: at thousands of tokens a fresh one is a fresh mmap, and
+// its page faults cost more than the arithmetic.
+void qk_norm_rope_(at::Tensor& qk, int64_t num_q_heads, const c10::optional<at::Tensor>& q_weight,
+                   const c10::optional<at::Tensor>& k_weight, double eps, const at::Tensor& cos,
+                   const at::Tensor& sin) {
   TORCH_CHECK(qk.dim() == 3 && qk.scalar_type() == at::kFloat && qk.stride(2) == 1 &&
                   qk.stride(1) == qk.size(2),
               "qk: float32 [T, heads, D] with contiguous heads");
   const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2), row = qk.stride(0);
-  const int64_t Hq = num_q_heads, Hk = H - Hq;
-  TORCH_CHECK(Hq > 0 && Hk >= 0, "num_q_heads out of range");
+  const int64_t Hq = num_q_heads;
+  TORCH_CHECK(Hq > 0 && Hq <= H, "num_q_heads out of range");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == T &&
                   sin.sizes() == cos.sizes() && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat && 2 * cos.size(1) <= D,
               "cos / sin: float32 [T, half] contiguous, 2 * half <= D");
-  TORCH_CHECK(q_out.is_contiguous() && q_out.numel() == T * Hq * D &&
-                  q_out.scalar_type() == at::kFloat,
-              "q_out: contiguous float32 [T, Hq, D]");
-  TORCH_CHECK(Hk == 0 || (k_out.is_contiguous() && k_out.numel() == T * Hk * D &&
-                          k_out.scalar_type() == at::kFloat),
-              "k_out: contiguous float32 [T, Hk, D]");
   auto check_weight = [&](const c10::optional<at::Tensor>& w) -> const float* {
     if (!w.has_value() || !w->defined()) return nullptr;
     TORCH_CHECK(w->is_contiguous() && w->numel() == D && w->scalar_type() == at::kFloat,
@@ -98,23 +95,18 @@ void qk_norm_rope(const at::Tensor& qk, int64_t num_q_heads,
   const float* qw = check_weight(q_weight);
   const float* kw = check_weight(k_weight);
   const int64_t half = cos.size(1);
-  const float* src = qk.data_ptr<float>();
+  float* base = qk.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* qo = q_out.data_ptr<float>();
-  float* ko = Hk > 0 ? k_out.data_ptr<float>() : nullptr;
   const float e = static_cast<float>(eps);
   at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(D);
     for (int64_t t = begin; t < end; ++t) {
-      const float* x = src + t * row;
+      float* x = base + t * row;
       const float* c = cp + t * half;
       const float* s = sp + t * half;
-      for (int64_t h = 0; h < Hq; ++h)
-        norm_rope_head(x + h * D, qw, e, c, s, D, half, buf.data(), qo + (t * Hq + h) * D);
-      for (int64_t h = 0; h < Hk; ++h)
-        norm_rope_head(x + (Hq + h) * D, kw, e, c, s, D, half, buf.data(),
-                       ko + (t * Hk + h) * D);
+      for (int64_t h = 0; h < H; ++h)
+        norm_rope_head(x + h * D, h < Hq ? qw : kw, e, c, s, D, half, buf.data());
     }
   });
 }
@@ -159,13 +151,13 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& val
 TORCH_LIBRARY(tidepool_decoder, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.def(
-      "qk_norm_rope(Tensor qk, int num_q_heads, Tensor? q_weight, Tensor? k_weight, float eps, "
-      "Tensor cos, Tensor sin, Tensor(a!) q_out, Tensor(b!) k_out) -> ()");
+      "qk_norm_rope_(Tensor(a!) qk, int num_q_heads, Tensor? q_weight, Tensor? k_weight, "
+      "float eps, Tensor cos, Tensor sin) -> ()");
   m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tidepool_decoder, CPU, m) {
   m.impl("rms_norm", &rms_norm);
-  m.impl("qk_norm_rope", &qk_norm_rope);
+  m.impl("qk_norm_rope_", &qk_norm_rope_);
   m.impl("write_kv", &write_kv);
 }

@@ -134,7 +134,7 @@ class DecoderAttention(nn.Module):
     def _norm_rope_fused(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] from one pass over qkv's q and k columns."""
+        """q [T, Hq, D], k [T, Hkv, D]: views of qkv, normed and rotated in place, one pass."""
         num_tokens = qkv.shape[0]
         qk = qkv[:, : self.q_size + self.kv_size].view(
             -1, self.num_heads + self.num_kv_heads, self.head_size
@@ -143,7 +143,7 @@ class DecoderAttention(nn.Module):
         eps = 0.0
         if self.qk_norm:
             q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        return cpu_decoder_ops.qk_norm_rope(
+        cpu_decoder_ops.qk_norm_rope_(
             qk,
             self.num_heads,
             q_weight,
@@ -152,6 +152,7 @@ class DecoderAttention(nn.Module):
             cos.view(num_tokens, -1),
             sin.view(num_tokens, -1),
         )
+        return qk[:, : self.num_heads], qk[:, self.num_heads :]
 
 
 class Qwen2Attention(DecoderAttention):
