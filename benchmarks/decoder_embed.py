@@ -9,6 +9,11 @@ is the fair figure on a machine that other jobs load: "tokens/cpu-s" against "GF
 
     python benchmarks/decoder_embed.py [--texts 300] [--passes 2] [--threads 1]
     python benchmarks/decoder_embed.py --ab /old/tree /new/tree [--rounds 3]   # alternating A/B
+    python benchmarks/decoder_embed.py --generate [--ab ...]   # the generation check instead
+
+`--generate`: generation shares this path, so it must not get slower: generate_throughput.py's
+random Llama (hidden 512, 4 layers) completes 32 corpus prompts with 64 greedy tokens each
+(prompt + output tokens per CPU second).
 
 The A/B mode runs `--worker` in fresh processes with PYTHONPATH=<tree>/src, sides alternating
 (A B, B A, ...), and prints the median of the per-round ratios (new / old tokens/s, CPU-second
@@ -115,9 +120,40 @@ def gemm_rates(shape: DecoderShape, num_tokens: int = 4096, reps: int = 5) -> tu
     return flops / wall / 1e9, flops / cpu / 1e9
 
 
+def generate_worker() -> dict:
+    import torch
+    from corpus import make_corpus
+    from random_decoder import build_random_decoder
+
+    import tidepool
+    from tidepool import LLM, SamplingParams
+
+    path = build_random_decoder("LlamaForCausalLM", 512, 4)
+    prompts = [" ".join(t.split()[:250]) for t in make_corpus(32, seed=3)]
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm.generate(prompts[:4], params, use_tqdm=False)
+    wall, cpu = time.perf_counter(), time.process_time()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    num_tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs)
+    threads = torch.get_num_threads()
+    return {
+        "tree": str(Path(tidepool.__file__).resolve().parents[2]),
+        "threads": threads,
+        "tokens": num_tokens,
+        "tokens/s": num_tokens / wall,
+        "tokens/cpu-s": num_tokens / cpu * threads,
+        "first tokens": outputs[0].outputs[0].token_ids[:8],
+        "load": os.getloadavg()[0],
+    }
+
+
 def worker(args: argparse.Namespace) -> dict:
     os.environ.setdefault("TIDEPOOL_NUM_THREADS", str(args.threads))
     sys.path.insert(0, str(HERE))
+    if args.generate:
+        return generate_worker()
     from corpus import make_corpus
 
     import tidepool
@@ -205,6 +241,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2, help="timed passes per process")
     parser.add_argument("--threads", type=int, default=1, help="TIDEPOOL_NUM_THREADS")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--generate", action="store_true", help="the generation check")
     parser.add_argument("--ab", nargs=2, metavar=("OLD_TREE", "NEW_TREE"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
