@@ -121,9 +121,20 @@ class PagedAttentionMetadata:
     """One per attention view."""
     layer_groups: tuple[int, ...]
     """Layer index → its attention view (index into `groups`)."""
+    output_rows: torch.Tensor | None = None
+    """[num_output_rows] int64: the flat tokens whose final hidden states the step reads (each
+    finishing request's last token), or None: every token. A model may then compute its last
+    layer's queries, o_proj, MLP and final norm at these rows only and return [num_output_rows,
+    hidden] (its K/V still at every token); one that ignores it returns every row."""
+    output_groups: tuple[GroupAttentionMetadata, ...] = ()
+    """With output_rows, per view: the last layer's attention with the output rows as its
+    queries (one-query rows over the cache, like decodes) and the step's full slot mapping."""
 
     def for_layer(self, layer_index: int) -> GroupAttentionMetadata:
         return self.groups[self.layer_groups[layer_index]]
+
+    def for_output_rows(self, layer_index: int) -> GroupAttentionMetadata:
+        return self.output_groups[self.layer_groups[layer_index]]
 
 
 def causal_row_max_len(specs: Sequence[KVCacheSpec]) -> int | None:
@@ -160,6 +171,24 @@ def split_rows(
             rows.append(AttentionRow(index, token_start + offset, context_len + offset, tile_len))
         token_start += query_len
     return rows
+
+
+def output_rows_of(
+    context_lens: Sequence[int], query_lens: Sequence[int], reaches_end: Sequence[bool]
+) -> tuple[list[int], list[AttentionRow]]:
+    """The finishing requests' last flat tokens, and one-query attention rows for them (query
+    token_start = the index among the output rows; keys: the whole sequence, from the cache)."""
+    tokens: list[int] = []
+    rows: list[AttentionRow] = []
+    token_end = 0
+    for index, (context_len, query_len, end) in enumerate(
+        zip(context_lens, query_lens, reaches_end, strict=True)
+    ):
+        token_end += query_len
+        if end:
+            rows.append(AttentionRow(index, len(tokens), context_len + query_len - 1, 1))
+            tokens.append(token_end - 1)
+    return tokens, rows
 
 
 def plan_buckets(

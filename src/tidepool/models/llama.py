@@ -106,8 +106,10 @@ class DecoderAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] → attention output before o_proj [T, q_size]."""
+        """x [T, hidden] → attention output before o_proj [T, q_size]; with `output_rows`
+        [R, q_size], the queries of those rows only (K/V of all T go into the cache)."""
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         num_qk_heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_size)
@@ -127,6 +129,9 @@ class DecoderAttention(nn.Module):
             )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         meta = attn_metadata.for_layer(self.layer_index)
+        if output_rows is not None:
+            q = q.index_select(0, output_rows)
+            meta = attn_metadata.for_output_rows(self.layer_index)
         return self.attention_backend.paged_attention(
             q, k, v, kv_cache, meta, self.scale, self.softcap
         )
@@ -198,6 +203,24 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(self.input_layernorm(x), x, cos_sin, attn_metadata, kv_cache)
         return self.mlp(self.post_attention_layernorm(x), x)
 
+    def forward_rows(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+        output_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last layer when the step reads only `output_rows` [R]: K/V at every token, the
+        rest at those rows → [R, hidden]."""
+        attn = self.self_attn.attend(
+            self.input_layernorm(x), cos_sin, attn_metadata, kv_cache, output_rows
+        )
+        if output_rows.numel() == 0:  # only prompt chunks short of their end: K/V was all
+            return x.new_empty(0, x.shape[1])
+        x = self.self_attn.o_proj(attn, residual=x.index_select(0, output_rows))
+        return self.mlp(self.post_attention_layernorm(x), x)
+
 
 # Checkpoint projection → (our fused parameter, shard index); shards are laid out in this order.
 _STACKED = {
@@ -253,10 +276,19 @@ class LlamaModel(nn.Module):
         attn_metadata: PagedAttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
+        """→ [num_tokens, hidden], or [len(output_rows), hidden] when the metadata names
+        output rows (the last layer then computes its queries and MLP at those rows only:
+        1 / num_layers of the step's work, less the last layer's K/V)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, attn_metadata, kv_cache)
+        output_rows = attn_metadata.output_rows
+        last = len(self.layers) - 1 if output_rows is not None else len(self.layers)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if index == last:
+                assert output_rows is not None
+                x = layer.forward_rows(x, cos_sin, attn_metadata, kv_cache, output_rows)
+            else:
+                x = layer(x, cos_sin, attn_metadata, kv_cache)
         return self.norm(x)
 
     def map_weight_name(self, name: str) -> str | None:
