@@ -130,7 +130,7 @@ def generate_worker() -> dict:
 
     path = build_random_decoder("LlamaForCausalLM", 512, 4)
     prompts = [" ".join(t.split()[:250]) for t in make_corpus(32, seed=3)]
-    llm = LLM(str(path), dtype="float32", device="cpu")
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 28)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     llm.generate(prompts[:4], params, use_tqdm=False)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -161,7 +161,14 @@ def worker(args: argparse.Namespace) -> dict:
 
     path = build_model(args.layers)
     texts = make_corpus(args.texts)
-    llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=False)
+    # A fixed KV budget (16K tokens): the default share of free memory moves with other jobs.
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device="cpu",
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=1 << 30,
+    )
     import torch
 
     tokenizer = llm.get_tokenizer()
