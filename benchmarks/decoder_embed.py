@@ -215,12 +215,10 @@ def ab(args: argparse.Namespace) -> None:
     old, new = args.ab
     command = [sys.executable, __file__, "--worker", "--texts", str(args.texts)]
     command += ["--passes", str(args.passes), "--threads", str(args.threads)]
-    command += ["--layers", str(args.layers)]
-    ratios: dict[str, list[float]] = {
-        "tokens/s": [],
-        "tokens/cpu-s": [],
-        "roofline share (cpu)": [],
-    }
+    command += ["--layers", str(args.layers)] + (["--generate"] if args.generate else [])
+    ratios: dict[str, list[float]] = {"tokens/s": [], "tokens/cpu-s": []}
+    if not args.generate:
+        ratios["roofline share (cpu)"] = []
     for round_index in range(args.rounds):
         order = [old, new] if round_index % 2 == 0 else [new, old]
         results = {}
