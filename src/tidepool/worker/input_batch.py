@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tidepool.attention.paged_metadata import (
+    AttentionRow,
     AttentionView,
     PagedAttentionMetadata,
     build_group_metadata,
@@ -142,7 +143,9 @@ def build_causal_batch(
     reaches_end = [
         c + q >= r.num_tokens for r, c, q in zip(requests, context_lens, query_lens, strict=True)
     ]
-    out_tokens, out_rows, out_spans = [], [], []
+    out_tokens: list[int] = []
+    out_rows: list[AttentionRow] = []
+    out_spans: list[tuple[int, int]] = []
     if output_rows_only:
         out_tokens, out_rows = output_rows_of(context_lens, query_lens, reaches_end)
         out_spans = plan_buckets(
