@@ -39,7 +39,7 @@ from typing import ClassVar
 
 import torch
 
-from tidepool.attention import cpu_kernels, paged, torch_backend
+from tidepool.attention import cpu_decoder_ops, cpu_kernels, paged, torch_backend
 from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.attention.paged_metadata import GroupAttentionMetadata
 from tidepool.attention.relative_bias import RelativePositionBias
@@ -224,6 +224,8 @@ class PagedSdpaBackend(DecoderAttentionBackend):
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> bool:
+        if spec.device.type == "cpu":
+            cpu_decoder_ops.load()  # its KV-cache write: built now, not inside the first step
         return True  # torch ops on any device and dtype
 
     def paged_attention(self, query, key, value, kv_cache, meta, scale, softcap=None):

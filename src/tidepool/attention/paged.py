@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tidepool.attention import cpu_decoder_ops
 from tidepool.attention.paged_metadata import GroupAttentionMetadata, PagedBucket
 from tidepool.kv_cache.spec import KVCacheConfig, KVCacheSpec
 
@@ -26,6 +27,9 @@ def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """key, value: [num_tokens, num_kv_heads, head_size] → their slots in kv_cache."""
+    # On CPU one copy per (token, head) row in tidepool's kernel: index_put_ took 1% of a pass.
+    if cpu_decoder_ops.write_kv(kv_cache, key, value, slot_mapping):
+        return
     _, num_kv_heads, num_blocks, block_size, head_size = kv_cache.shape
     slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_size)
     # Advanced-index assignment (index_put_) beats index_copy_ here: 3.8 vs 5.8 ms at 8K tokens.
@@ -52,11 +56,56 @@ def paged_attention(
     write_kv(kv_cache, key, value, meta.slot_mapping)
     num_tokens, num_heads, head_size = query.shape
     if len(meta.buckets) == 1:
-        return _attend_bucket(query, kv_cache, meta.buckets[0], scale, softcap)
+        return _attend(query, key, value, kv_cache, meta.buckets[0], scale, softcap)
     out = query.new_empty(num_tokens, num_heads * head_size)
     for bucket in meta.buckets:
-        out[bucket.start : bucket.end] = _attend_bucket(query, kv_cache, bucket, scale, softcap)
+        out[bucket.start : bucket.end] = _attend(
+            query, key, value, kv_cache, bucket, scale, softcap
+        )
     return out
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    bucket: PagedBucket,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    if bucket.causal:
+        return _attend_causal_rows(query, key, value, bucket, scale, softcap)
+    return _attend_bucket(query, kv_cache, bucket, scale, softcap)
+
+
+def _attend_causal_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bucket: PagedBucket,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Whole prompts of one length from position 0: SDPA with `is_causal` on views of this
+    step's q / k / v, [rows, heads, L, D] with the token stride of the packed tensors (no copy).
+    SDPA's CPU output is [rows, L, heads, D] in memory, so the final reshape is free too."""
+    rows, q_len = bucket.num_rows, bucket.query_len
+    num_heads, num_kv_heads, head_size = query.shape[1], key.shape[1], query.shape[2]
+    span = slice(bucket.start, bucket.end)
+    q = query[span].view(rows, q_len, num_heads, head_size).transpose(1, 2)
+    k = key[span].view(rows, q_len, num_kv_heads, head_size).transpose(1, 2)
+    v = value[span].view(rows, q_len, num_kv_heads, head_size).transpose(1, 2)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+    else:
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        mask = torch.full((q_len, q_len), -torch.inf, dtype=q.dtype, device=q.device).triu_(1)
+        o = _sdpa(q, k, v, mask, scale, softcap)
+    return o.transpose(1, 2).reshape(rows * q_len, num_heads * head_size)
 
 
 def _sdpa(
@@ -90,6 +139,7 @@ def _attend_bucket(
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     rows, q_len, k_len = bucket.num_rows, bucket.query_len, bucket.key_len
+    assert bucket.block_index is not None and bucket.mask is not None
     pages = kv_cache.view(2 * num_kv_heads, num_blocks, block_size * head_size)
     # [2 * Hkv, rows * blocks, block_size * D] → K, V: [Hkv * rows, 1, keys, D]
     kv = pages.index_select(1, bucket.block_index).view(2, num_kv_heads * rows, 1, k_len, head_size)

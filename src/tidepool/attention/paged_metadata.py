@@ -14,6 +14,13 @@ block_size 4, the runner puts decodes first (longest context first), then prefil
     B         7        1      8   → padded to 12 (A's blocks)    (waste 2/20 keys)
     C         0        6      6   → 8                            bucket 1: prefill C alone
 
+Prompts computed from their first token (no cached context, as with prefix caching off) skip all
+that: a *causal row* is a whole prompt that attends only to this step's own keys, so it runs as
+one SDPA with `is_causal` on views of the step's q / k / v (no gather from the cache, no mask, no
+padding, half the score blocks skipped); consecutive causal rows of one length share a call. In
+the example above, C would be one if it had CAUSAL_ROW_MIN_LEN tokens: its bucket would then read
+neither the cache nor a mask.
+
 Every layer of a KV-cache group shares the group's metadata (slot mapping, buckets, masks), built
 once per step. Masks are additive (0 / -inf): key k is visible to the query at position p when
 k <= p (and k > p - sliding_window). Keys past a row's end read the null block or stale values of
@@ -35,6 +42,9 @@ from tidepool.kv_cache.spec import KVCacheSpec, SlidingWindowSpec
 # Queries of one row at most: a longer prefill chunk is cut into tiles of this many tokens,
 # each attending to the keys up to its own end (so the mask is [tile, keys], not [chunk, keys]).
 MAX_ROW_QUERY_LEN = 512
+# Prompts from position 0 at least this long are causal rows (see the module docstring); shorter
+# ones are cheaper in a padded bucket with their neighbours than in a call of their own.
+CAUSAL_ROW_MIN_LEN = 16
 # A bucket's mask holds at most this many elements (num_kv_heads * rows * queries * keys).
 _MAX_BUCKET_MASK_ELEMS = 1 << 24
 
@@ -48,6 +58,8 @@ class AttentionRow:
     token_start: int
     context_len: int
     query_len: int
+    causal: bool = False
+    """A causal row: the whole prompt from position 0, attended on this step's K/V alone."""
 
     @property
     def seq_len(self) -> int:
@@ -64,14 +76,21 @@ class PagedBucket:
     """Queries per row after padding."""
     key_len: int
     """Keys per row after padding: a whole number of blocks."""
-    block_index: torch.Tensor
-    """[num_rows * key_len // block_size] block id per padded block (0 = the null block)."""
-    mask: torch.Tensor
-    """[num_kv_heads * num_rows, 1, query_len, key_len] additive (0 / -inf), model dtype."""
+    block_index: torch.Tensor | None
+    """[num_rows * key_len // block_size] block id per padded block (0 = the null block); None
+    for causal rows (they read this step's K/V, not the cache)."""
+    mask: torch.Tensor | None
+    """[num_kv_heads * num_rows, 1, query_len, key_len] additive (0 / -inf), model dtype; None
+    for causal rows (SDPA's `is_causal`)."""
     query_gather: torch.Tensor | None
     """[num_rows * query_len] flat token per padded query slot; None when nothing is padded."""
     valid_slots: torch.Tensor | None
     """[end - start] padded query slots that hold real tokens; None when nothing is padded."""
+
+    @property
+    def causal(self) -> bool:
+        """Causal rows (see the module docstring): this step's K/V, `is_causal`, no mask."""
+        return self.block_index is None
 
 
 @dataclass(frozen=True)
@@ -102,23 +121,74 @@ class PagedAttentionMetadata:
     """One per attention view."""
     layer_groups: tuple[int, ...]
     """Layer index → its attention view (index into `groups`)."""
+    output_rows: torch.Tensor | None = None
+    """[num_output_rows] int64: the flat tokens whose final hidden states the step reads (each
+    finishing request's last token), or None: every token. A model may then compute its last
+    layer's queries, o_proj, MLP and final norm at these rows only and return [num_output_rows,
+    hidden] (its K/V still at every token); one that ignores it returns every row."""
+    output_groups: tuple[GroupAttentionMetadata, ...] = ()
+    """With output_rows, per view: the last layer's attention with the output rows as its
+    queries (one-query rows over the cache, like decodes) and the step's full slot mapping."""
 
     def for_layer(self, layer_index: int) -> GroupAttentionMetadata:
         return self.groups[self.layer_groups[layer_index]]
 
+    def for_output_rows(self, layer_index: int) -> GroupAttentionMetadata:
+        return self.output_groups[self.layer_groups[layer_index]]
+
+
+def causal_row_max_len(specs: Sequence[KVCacheSpec]) -> int | None:
+    """The longest prompt that may be a causal row under every spec (None: no limit): a
+    sliding window hides keys only from queries past it, so prompts up to the window qualify."""
+    windows = [s.sliding_window for s in specs if isinstance(s, SlidingWindowSpec)]
+    return min(windows) if windows else None
+
 
 def split_rows(
-    context_lens: Sequence[int], query_lens: Sequence[int], max_query_len: int = MAX_ROW_QUERY_LEN
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    max_query_len: int = MAX_ROW_QUERY_LEN,
+    causal_max_len: int | None = None,
+    causal_rows: bool = True,
 ) -> list[AttentionRow]:
-    """Requests in flat order → attention rows (a request longer than max_query_len is tiled)."""
+    """Requests in flat order → attention rows: a prompt from position 0 of at least
+    CAUSAL_ROW_MIN_LEN (and at most `causal_max_len`) tokens is one causal row; other requests
+    longer than max_query_len are tiled. `causal_rows=False` buckets everything."""
     rows: list[AttentionRow] = []
     token_start = 0
     for index, (context_len, query_len) in enumerate(zip(context_lens, query_lens, strict=True)):
+        if (
+            causal_rows
+            and context_len == 0
+            and query_len >= CAUSAL_ROW_MIN_LEN
+            and (causal_max_len is None or query_len <= causal_max_len)
+        ):
+            rows.append(AttentionRow(index, token_start, 0, query_len, causal=True))
+            token_start += query_len
+            continue
         for offset in range(0, query_len, max_query_len):
             tile_len = min(max_query_len, query_len - offset)
             rows.append(AttentionRow(index, token_start + offset, context_len + offset, tile_len))
         token_start += query_len
     return rows
+
+
+def output_rows_of(
+    context_lens: Sequence[int], query_lens: Sequence[int], reaches_end: Sequence[bool]
+) -> tuple[list[int], list[AttentionRow]]:
+    """The finishing requests' last flat tokens, and one-query attention rows for them (query
+    token_start = the index among the output rows; keys: the whole sequence, from the cache)."""
+    tokens: list[int] = []
+    rows: list[AttentionRow] = []
+    token_end = 0
+    for index, (context_len, query_len, end) in enumerate(
+        zip(context_lens, query_lens, reaches_end, strict=True)
+    ):
+        token_end += query_len
+        if end:
+            rows.append(AttentionRow(index, len(tokens), context_len + query_len - 1, 1))
+            tokens.append(token_end - 1)
+    return tokens, rows
 
 
 def plan_buckets(
@@ -129,10 +199,17 @@ def plan_buckets(
     spans: list[tuple[int, int]] = []
     i = 0
     while i < len(rows):
+        if rows[i].causal:  # with its neighbours of the same length: one unpadded call
+            j = i + 1
+            while j < len(rows) and rows[j].causal and rows[j].query_len == rows[i].query_len:
+                j += 1
+            spans.append((i, j))
+            i = j
+            continue
         max_q, max_k = rows[i].query_len, _round_up(rows[i].seq_len, block_size)
         real_area = rows[i].query_len * rows[i].seq_len
         j = i + 1
-        while j < len(rows):
+        while j < len(rows) and not rows[j].causal:
             q, k = max(max_q, rows[j].query_len), max(max_k, _round_up(rows[j].seq_len, block_size))
             area = real_area + rows[j].query_len * rows[j].seq_len
             padded = (j - i + 1) * q * k
@@ -181,6 +258,10 @@ def _make_bucket(
 ) -> PagedBucket:
     num_rows = len(rows)
     query_len = max(r.query_len for r in rows)
+    start = rows[0].token_start
+    end = rows[-1].token_start + rows[-1].query_len
+    if rows[0].causal:  # plan_buckets: all causal, one length
+        return PagedBucket(start, end, num_rows, query_len, query_len, None, None, None, None)
     query_lens = torch.tensor([r.query_len for r in rows])
     context_lens = torch.tensor([r.context_len for r in rows])
     block_index, key_pos = _row_blocks(rows, block_table, block_size, window)
@@ -203,8 +284,6 @@ def _make_bucket(
         gather = torch.where(valid, starts[:, None] + slot[None, :], starts[:, None])
         query_gather = gather.reshape(-1).to(device)
         valid_slots = valid.reshape(-1).nonzero().squeeze(1).to(device)
-    start = rows[0].token_start
-    end = rows[-1].token_start + rows[-1].query_len
     return PagedBucket(
         start,
         end,

@@ -122,7 +122,9 @@ class DecoderModel(Protocol):
     ) -> torch.Tensor:
         """input_ids / positions: [num_tokens] of the step's scheduled tokens; kv_caches: one
         [2, num_kv_heads, num_blocks, block_size, head_size] view per cached layer
-        → hidden [num_tokens, hidden] (after the final norm)."""
+        → hidden [num_tokens, hidden] (after the final norm), or [len(output_rows), hidden]
+        where `attn_metadata.output_rows` names the only rows the step reads (a model may
+        compute its last layer at those rows only; the runner selects them otherwise)."""
         ...
 
     def __call__(

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tidepool.attention import cpu_decoder_ops
 from tidepool.attention.backend import PAGED_SDPA, AttentionSpec, DecoderAttentionBackend
 from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -72,6 +73,14 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = self.norm_cls(self.head_size, config.rms_norm_eps)
             self.k_norm = self.norm_cls(self.head_size, config.rms_norm_eps)
+        self._fused_qk = False
+
+    def process_weights_after_loading(self) -> None:
+        """float32 on CPU: q / k norm and RoPE in one pass of tidepool's kernel
+        (attention/cpu_decoder_ops.py); a norm other than plain RMSNorm (Gemma's 1 + weight)
+        keeps the torch ops."""
+        plain_norm = not self.qk_norm or self.norm_cls is RMSNorm
+        self._fused_qk = plain_norm and cpu_decoder_ops.usable(self.qkv_proj.weight)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if self.sliding_window is not None:
@@ -97,13 +106,17 @@ class DecoderAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] → attention output before o_proj [T, q_size]."""
+        """x [T, hidden] → attention output before o_proj [T, q_size]; with `output_rows`
+        [R, q_size], the queries of those rows only (K/V of all T go into the cache)."""
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         num_qk_heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_size)
         cos, sin = cos_sin
-        if self.qk_norm:
+        if self._fused_qk and cos.dtype == torch.float32:
+            q, k = self._norm_rope_fused(qkv, cos, sin)
+        elif self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_size))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view_as(v))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -116,9 +129,35 @@ class DecoderAttention(nn.Module):
             )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         meta = attn_metadata.for_layer(self.layer_index)
+        if output_rows is not None:
+            q = q.index_select(0, output_rows)
+            meta = attn_metadata.for_output_rows(self.layer_index)
         return self.attention_backend.paged_attention(
             q, k, v, kv_cache, meta, self.scale, self.softcap
         )
+
+    def _norm_rope_fused(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D]: views of qkv, normed and rotated in place, one pass."""
+        num_tokens = qkv.shape[0]
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            -1, self.num_heads + self.num_kv_heads, self.head_size
+        )
+        q_weight = k_weight = None
+        eps = 0.0
+        if self.qk_norm:
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        cpu_decoder_ops.qk_norm_rope_(
+            qk,
+            self.num_heads,
+            q_weight,
+            k_weight,
+            eps,
+            cos.view(num_tokens, -1),
+            sin.view(num_tokens, -1),
+        )
+        return qk[:, : self.num_heads], qk[:, self.num_heads :]
 
 
 class Qwen2Attention(DecoderAttention):
@@ -162,6 +201,24 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos_sin, attn_metadata, kv_cache) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), x, cos_sin, attn_metadata, kv_cache)
+        return self.mlp(self.post_attention_layernorm(x), x)
+
+    def forward_rows(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+        output_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last layer when the step reads only `output_rows` [R]: K/V at every token, the
+        rest at those rows → [R, hidden]."""
+        attn = self.self_attn.attend(
+            self.input_layernorm(x), cos_sin, attn_metadata, kv_cache, output_rows
+        )
+        if output_rows.numel() == 0:  # only prompt chunks short of their end: K/V was all
+            return x.new_empty(0, x.shape[1])
+        x = self.self_attn.o_proj(attn, residual=x.index_select(0, output_rows))
         return self.mlp(self.post_attention_layernorm(x), x)
 
 
@@ -219,10 +276,19 @@ class LlamaModel(nn.Module):
         attn_metadata: PagedAttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
+        """→ [num_tokens, hidden], or [len(output_rows), hidden] when the metadata names
+        output rows (the last layer then computes its queries and MLP at those rows only:
+        1 / num_layers of the step's work, less the last layer's K/V)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, attn_metadata, kv_cache)
+        output_rows = attn_metadata.output_rows
+        last = len(self.layers) - 1 if output_rows is not None else len(self.layers)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if index == last:
+                assert output_rows is not None
+                x = layer.forward_rows(x, cos_sin, attn_metadata, kv_cache, output_rows)
+            else:
+                x = layer(x, cos_sin, attn_metadata, kv_cache)
         return self.norm(x)
 
     def map_weight_name(self, name: str) -> str | None:

@@ -17,9 +17,12 @@ import numpy as np
 import torch
 
 from tidepool.attention.paged_metadata import (
+    AttentionRow,
     AttentionView,
     PagedAttentionMetadata,
     build_group_metadata,
+    causal_row_max_len,
+    output_rows_of,
     plan_buckets,
     split_rows,
 )
@@ -110,7 +113,10 @@ def build_causal_batch(
     dtype: torch.dtype,
     device: torch.device,
     max_pad_fraction: float,
+    output_rows_only: bool = False,
 ) -> CausalBatch:
+    """`output_rows_only`: the step reads only finishing requests' last tokens (sampling, LAST
+    pooling): the metadata carries them (PagedAttentionMetadata.output_rows)."""
     requests = _flat_order(sched_out)
     query_lens = [sched_out.num_scheduled_tokens[r.request_id] for r in requests]
     context_lens = [r.num_computed_tokens for r in requests]
@@ -129,21 +135,45 @@ def build_causal_batch(
     positions = torch.arange(num_tokens) + offsets
     token_request = torch.repeat_interleave(torch.arange(len(requests)), query_lens_t)
 
-    rows = split_rows(context_lens, query_lens)
+    rows = split_rows(
+        context_lens, query_lens, causal_max_len=causal_row_max_len([v.spec for v in views])
+    )
     first_spec = views[0].spec
     spans = plan_buckets(rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction)
+    reaches_end = [
+        c + q >= r.num_tokens for r, c, q in zip(requests, context_lens, query_lens, strict=True)
+    ]
+    out_tokens: list[int] = []
+    out_rows: list[AttentionRow] = []
+    out_spans: list[tuple[int, int]] = []
+    if output_rows_only:
+        out_tokens, out_rows = output_rows_of(context_lens, query_lens, reaches_end)
+        out_spans = plan_buckets(
+            out_rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction
+        )
     block_tables: dict[int, torch.Tensor] = {}
-    groups = []
+    groups, output_groups = [], []
     for group_id, spec in views:
         if group_id not in block_tables:
             tables = [states[r.request_id].block_ids[group_id] for r in requests]
             block_tables[group_id] = torch.from_numpy(_pad_table(tables))
+        table = block_tables[group_id]
         groups.append(
-            build_group_metadata(
-                rows, spans, block_tables[group_id], token_request, positions, spec, dtype, device
-            )
+            build_group_metadata(rows, spans, table, token_request, positions, spec, dtype, device)
         )
-    attn_metadata = PagedAttentionMetadata(num_tokens, tuple(groups), layer_views)
+        if output_rows_only:
+            output_groups.append(
+                build_group_metadata(
+                    out_rows, out_spans, table, token_request, positions, spec, dtype, device
+                )
+            )
+    attn_metadata = PagedAttentionMetadata(
+        num_tokens,
+        tuple(groups),
+        layer_views,
+        torch.tensor(out_tokens, dtype=torch.int64).to(device) if output_rows_only else None,
+        tuple(output_groups),
+    )
     return CausalBatch(
         requests=requests,
         query_lens=query_lens,
@@ -152,10 +182,7 @@ def build_causal_batch(
         positions=positions.to(device, non_blocking=True),
         cu_query_lens=cu.to(device, non_blocking=True),
         attn_metadata=attn_metadata,
-        reaches_end=[
-            c + q >= r.num_tokens
-            for r, c, q in zip(requests, context_lens, query_lens, strict=True)
-        ],
+        reaches_end=reaches_end,
     )
 
 

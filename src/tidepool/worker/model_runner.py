@@ -147,12 +147,28 @@ class ModelRunner:
             self.config.model.dtype,
             self.device,
             CAUSAL_MAX_PAD_FRACTION,
+            output_rows_only=self._reads_last_rows_only(sched_out),
         )
         model = cast(DecoderModel, self.model)  # _check_contract: causal → DecoderModel
         hidden = model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
+        output_rows = batch.attn_metadata.output_rows
+        if output_rows is not None and hidden.shape[0] != output_rows.shape[0]:
+            hidden = hidden.index_select(0, output_rows)  # the model computed every row
         if self.sampler is not None:
             return ModelRunnerOutput(sampled=self._sample(hidden, batch))
+        if output_rows is not None:
+            return ModelRunnerOutput(pooled=self._pool_last_rows(hidden, batch))
         return ModelRunnerOutput(pooled=self._pool_chunks(hidden, batch))
+
+    def _reads_last_rows_only(self, sched_out: SchedulerOutput) -> bool:
+        """Sampling, or LAST pooling with no token outputs: the step reads each finishing
+        request's last hidden state and nothing else (PagedAttentionMetadata.output_rows)."""
+        if self.sampler is not None:
+            return True
+        return not any(
+            self.pooler.reads_all_tokens(r.pooling_params)  # type: ignore[arg-type]
+            for r in sched_out.scheduled
+        )
 
     def _execute_encoder(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor]:
         # Longest first, so that sequences of similar length are neighbours: attention runs them
@@ -236,14 +252,37 @@ class ModelRunner:
                 pooled[request.request_id] = out
         return pooled
 
-    def _sample(self, hidden: torch.Tensor, batch: CausalBatch) -> dict[str, SampledToken]:
-        rows = [i for i, end in enumerate(batch.reaches_end) if end]
-        if not rows:
+    def _pool_last_rows(self, hidden: torch.Tensor, batch: CausalBatch) -> dict[str, torch.Tensor]:
+        """LAST pooling from output rows: hidden [num_finishing, hidden], one row per request
+        whose prompt ends in this step (the others need nothing from it)."""
+        requests = [r for r, end in zip(batch.requests, batch.reaches_end, strict=True) if end]
+        if not requests:
             return {}
-        requests = [batch.requests[i] for i in rows]
-        last_token = batch.cu_query_lens[1:][rows] - 1
+        num_rows = len(requests)
+        meta = PoolingMetadata(
+            seq_lens=[1] * num_rows,
+            cu_seqlens=torch.arange(num_rows + 1, dtype=torch.int64, device=hidden.device),
+            params=[r.pooling_params for r in requests],  # type: ignore[misc]
+        )
+        outputs, _ = self.pooler.forward_chunks(
+            hidden,
+            meta,
+            [None] * num_rows,
+            [True] * num_rows,
+            [r.num_prompt_tokens for r in requests],
+        )
+        return {
+            r.request_id: out for r, out in zip(requests, outputs, strict=True) if out is not None
+        }
+
+    def _sample(self, hidden: torch.Tensor, batch: CausalBatch) -> dict[str, SampledToken]:
+        """hidden [num_finishing, hidden] (the step's output rows): the last row of each request
+        that samples now."""
+        requests = [r for r, end in zip(batch.requests, batch.reaches_end, strict=True) if end]
+        if not requests:
+            return {}
         head = cast(LanguageModelHead, self.model)  # _check_contract: generate → an LM head
-        logits = head.compute_logits(hidden.index_select(0, last_token))
+        logits = head.compute_logits(hidden)
         generators = {}
         for row, request in enumerate(requests):
             generator = self.states[request.request_id].generator

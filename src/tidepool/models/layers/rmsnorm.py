@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidepool.attention import cpu_decoder_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -12,8 +14,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.normalized_shape = (hidden_size,)
+        self._one_pass = False
+
+    def process_weights_after_loading(self) -> None:
+        """float32 on CPU: one pass in tidepool's kernel (attention/cpu_decoder_ops.py)."""
+        self._one_pass = cpu_decoder_ops.usable(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._one_pass and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1:
+            return cpu_decoder_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # Four passes, the temporaries reused: on CPU F.rms_norm decomposes into more ops and
             # is 2x slower (8,192 x 512: 8.9 vs 17.8 ms).

@@ -1,0 +1,116 @@
+"""tidepool's CPU kernels for the decoders (csrc/cpu_decoder_ops.cpp): RMSNorm in one pass and
+the per-head q / k RMSNorm (Qwen3) fused with RoPE into one pass over the QKV GEMM's output
+(float32; the models call them, models/llama.py and layers/rmsnorm.py), and the paged KV-cache
+write (any dtype; paged.py).
+
+Why: on the Qwen3-Embedding-shaped body (benchmarks/decoder_embed.py) the torch forms of these
+took ~15% of a pass (RoPE's broadcast multiplies over strided halves, the norm's four passes over
+strided heads, index_put for the cache); figures in docs/performance.md, "Decoder pooling".
+Built on first use with torch's C++ extension loader like attention/cpu_kernels.py (named by the
+source's hash, cached under TORCH_EXTENSIONS_DIR); where the build fails or the CPU has no
+AVX-512, `load()` says why once and returns None, and the callers keep their torch ops.
+TIDEPOOL_CPU_ATTENTION=sdpa turns these kernels off too (one switch for tidepool's hand-written
+CPU code), =native makes a failure an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from tidepool import envs
+from tidepool.attention import cpu_kernels
+
+logger = logging.getLogger("tidepool")
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_decoder_ops.cpp"
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512vl", "-mfma", "-std=c++17", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _compile() -> object:
+    from torch.utils.cpp_extension import load as load_extension
+
+    cpu_kernels._put_ninja_on_path()
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    load_extension(
+        name=f"tidepool_decoder_ops_{digest}",
+        sources=[str(_SOURCE)],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=["-fopenmp"],  # ATen's parallel_for runs on torch's OpenMP threads
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.tidepool_decoder
+
+
+def _build() -> object | None:
+    mode = envs.cpu_attention()
+    if mode == "sdpa":
+        return None
+    ok, why = cpu_kernels._cpu_has_avx512()
+    if ok:
+        try:
+            return _compile()
+        except Exception as e:  # a missing compiler / ninja, a failed build
+            why = f"building {_SOURCE.name} failed: {type(e).__name__}: {e}"
+    if mode == "native":
+        raise RuntimeError(f"TIDEPOOL_CPU_ATTENTION=native, but the decoder kernels fail: {why}")
+    logger.warning("tidepool's CPU decoder kernels are off (%s); using torch ops", why)
+    return None
+
+
+def load() -> object | None:
+    """The `tidepool_decoder` op namespace, built and loaded on first call; None where it
+    cannot run."""
+    if "ops" not in _state:
+        with _lock:
+            if "ops" not in _state:
+                _state["ops"] = _build()
+    return _state["ops"]
+
+
+def usable(tensor: torch.Tensor) -> bool:
+    """Whether the kernels take this tensor's device and dtype (and are available). Builds them
+    on first call: call at load time (process_weights_after_loading), not per step."""
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and load() is not None
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """key, value [T, Hkv, D] → their slots of kv_cache (paged.write_kv's contract); False
+    where the kernel does not apply (not CPU, not built): the caller writes with torch ops."""
+    ops = load() if kv_cache.device.type == "cpu" else None
+    if ops is None:
+        return False
+    torch.ops.tidepool_decoder.write_kv(kv_cache, key, value, slot_mapping)
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] (rows contiguous) → x / rms(x) * weight, [T, H] contiguous."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.tidepool_decoder.rms_norm(x, weight, eps, out)
+    return out
+
+
+def qk_norm_rope_(
+    qk: torch.Tensor,
+    num_q_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """In place on qk [T, Hq + Hk, D] (q heads, then k heads; a view of the QKV output): each
+    head RMSNorm-ed (when its weight is given) and rotated; cos / sin [T, rotary_dim // 2]
+    float32. In place: a fresh [T, heads, D] output costs page faults at thousands of tokens."""
+    torch.ops.tidepool_decoder.qk_norm_rope_(qk, num_q_heads, q_weight, k_weight, eps, cos, sin)
