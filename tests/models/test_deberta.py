@@ -162,3 +162,31 @@ def test_first_token_rows_equal_full_forward(kind, deberta_paths):
     assert (fast - expected).abs().max() <= 1e-5
     second = full[meta.cu_seqlens[:-1][torch.tensor(seq_lens) > 1] + 1]
     assert (second - expected[torch.tensor(seq_lens) > 1]).abs().max() > 1e-2  # rows differ
+
+
+@pytest.mark.skipif(
+    not __import__("tidepool.models.layers.int8_linear", fromlist=["x"]).int8_gemm_available(),
+    reason="this torch build has no oneDNN int8 linear",
+)
+def test_int8_close_to_float32(deberta_paths):
+    """quantization="int8" on DeBERTa-v2/v3 (issue 14: each new native model in int8): vectors
+    within the int8 suite's bound of float32 (cos >= 0.99), scores within 2% of their scale."""
+    vectors = {
+        q: _embed(LLM(str(deberta_paths["embed"]), quantization=q), TINY_TEXTS)
+        for q in (None, "int8")
+    }
+    assert F.cosine_similarity(vectors["int8"], vectors[None]).min() >= 0.99
+    docs = TINY_TEXTS[1:]
+    scores = {
+        q: torch.tensor(
+            [
+                o.outputs.score
+                for o in LLM(str(deberta_paths["score"]), quantization=q).score(
+                    TINY_TEXTS[0], docs, use_tqdm=False
+                )
+            ]
+        )
+        for q in (None, "int8")
+    }
+    ref = scores[None]
+    assert (scores["int8"] - ref).abs().max() < 0.02 * max(1.0, float(ref.abs().max()))
