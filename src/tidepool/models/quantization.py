@@ -47,6 +47,8 @@ INT8_ARCHITECTURES = frozenset(
         "MPNetForSequenceClassification",
         "DebertaV2Model",
         "DebertaV2ForSequenceClassification",
+        "T5EncoderModel",
+        "MT5EncoderModel",
     }
 )
 """Native encoders whose linear layers are all tidepool `Linear`s (embedders, cross-encoders)."""
