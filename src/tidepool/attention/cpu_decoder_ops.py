@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from tidepool import envs
 from tidepool.attention import cpu_kernels
 
 logger = logging.getLogger("tidepool")
@@ -51,19 +50,9 @@ def _compile() -> object:
 
 
 def _build() -> object | None:
-    mode = envs.cpu_attention()
-    if mode == "sdpa":
-        return None
-    ok, why = cpu_kernels._cpu_has_avx512()
-    if ok:
-        try:
-            return _compile()
-        except Exception as e:  # a missing compiler / ninja, a failed build
-            why = f"building {_SOURCE.name} failed: {type(e).__name__}: {e}"
-    if mode == "native":
-        raise RuntimeError(f"TIDEPOOL_CPU_ATTENTION=native, but the decoder kernels fail: {why}")
-    logger.warning("tidepool's CPU decoder kernels are off (%s); using torch ops", why)
-    return None
+    return cpu_kernels.build_or_fall_back(
+        _compile, _SOURCE.name, "tidepool's CPU decoder kernels", "torch ops"
+    )
 
 
 def load() -> object | None:

@@ -105,20 +105,29 @@ def _compile() -> object:
     return torch.ops.tidepool_cpu.encoder_attention
 
 
-def _build() -> object | None:
+def build_or_fall_back(compile_fn, source_name: str, what: str, fallback: str) -> object | None:
+    """`compile_fn()` where TIDEPOOL_CPU_ATTENTION allows it and the CPU has AVX-512, else None
+    with one warning line (`what` is off, `fallback` runs instead); `=native` makes a failed
+    build an error. Shared by the encoder attention kernel and the decoder kernels."""
     mode = envs.cpu_attention()
     if mode == "sdpa":
         return None
     ok, why = _cpu_has_avx512()
     if ok:
         try:
-            return _compile()
+            return compile_fn()
         except Exception as e:  # a missing compiler / ninja, a failed build
-            why = f"building {_SOURCE.name} failed: {type(e).__name__}: {e}"
+            why = f"building {source_name} failed: {type(e).__name__}: {e}"
     if mode == "native":
-        raise RuntimeError(f"TIDEPOOL_CPU_ATTENTION=native, but the CPU kernel is unusable: {why}")
-    logger.warning("tidepool's CPU attention kernel is off (%s); using PyTorch SDPA", why)
+        raise RuntimeError(f"TIDEPOOL_CPU_ATTENTION=native, but {what} is unusable: {why}")
+    logger.warning("%s is off (%s); using %s", what, why, fallback)
     return None
+
+
+def _build() -> object | None:
+    return build_or_fall_back(
+        _compile, _SOURCE.name, "tidepool's CPU attention kernel", "PyTorch SDPA"
+    )
 
 
 def load():

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tidepool.models.layers.activation import get_activation
-from tidepool.models.layers.linear import Linear
+from tidepool.models.layers.linear import Linear, combine
 
 # oneDNN's packing takes a hint of the typical number of rows; a step holds thousands of tokens.
 _PACK_BATCH_HINT = 4096
@@ -141,12 +141,7 @@ class Int8Linear(nn.Module):
             y = y.mul_(scale)
         if self._act is not None:
             y = self._act(y)
-        y = y.view(*lead, self.out_features)
-        if multiply is not None:
-            y = y.mul_(multiply)
-        if residual is not None:
-            y = y.add_(residual)
-        return y
+        return combine(y.view(*lead, self.out_features), multiply, residual)
 
     def extra_repr(self) -> str:
         return (

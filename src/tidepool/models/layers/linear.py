@@ -92,11 +92,7 @@ class Linear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if self._act is not None:
             y = self._act(y)
-        if multiply is not None:
-            y = y.mul_(multiply)
-        if residual is not None:
-            y = y.add_(residual)
-        return y
+        return combine(y, multiply, residual)
 
     def extra_repr(self) -> str:
         return (
@@ -104,3 +100,15 @@ class Linear(nn.Module):
             f"bias={self.bias is not None}, activation={self.activation}, "
             f"onednn_packed={self._packed is not None}"
         )
+
+
+def combine(
+    y: torch.Tensor, multiply: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """The linears' unfused epilogue, in place on `y`: times `multiply` (a gated FFN's other
+    half), then plus `residual`. Shared by `Linear` and the int8 linear."""
+    if multiply is not None:
+        y = y.mul_(multiply)
+    if residual is not None:
+        y = y.add_(residual)
+    return y
