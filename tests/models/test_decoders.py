@@ -245,8 +245,14 @@ def test_token_embed_over_chunks_matches_transformers(tiny_decoder_path, hf_deco
     assert llm.get_metrics().prefix_cache_hits == 0
 
 
-def test_kv_cache_sizing_arguments(tiny_decoder_path):
+def test_kv_cache_sizing_arguments(tiny_decoder_path, monkeypatch):
     path = str(tiny_decoder_path("llama"))
+    # The fraction is of the whole machine's memory minus what is in use: pin a machine with
+    # 16 GiB, 15 free, so the test does not depend on what else runs (it failed under CI
+    # beside a benchmark holding a few GiB).
+    from tidepool.kv_cache import spec
+
+    monkeypatch.setattr(spec, "device_memory_bytes", lambda device: (15 << 30, 16 << 30))
     # One block: 2 layers x [2, 2 heads, 16 tokens, 16 dims] float32 = 8 KiB.
     by_bytes = LLM(path, dtype="float32", kv_cache_memory_bytes=100 * 8192)
     assert by_bytes.engine.kv_cache_manager.config.num_blocks == 100
