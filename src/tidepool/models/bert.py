@@ -86,8 +86,8 @@ class BertDenseLayerNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # The residual add runs inside the GEMM (see layers/linear.py).
-        return self.LayerNorm(self.dense(x, residual=residual))
+        # The residual add runs inside the GEMM, and in int8 the LayerNorm too (layers/).
+        return self.dense.forward_norm(x, residual, self.LayerNorm)
 
 
 class BertAttention(nn.Module):

@@ -7,8 +7,13 @@ int8 activations (one scale per token, chosen at run time), int32 accumulation.
 
 The GEMM is oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, VNNI / AMX-int8), which
 applies `w_scale` as it writes float32. Its activation scale must be one number per tensor, so
-the per-token scale and the bias run after it, then the activation: measured cheaper than any
-other way PyTorch offers here (docs/performance.md, "int8").
+the per-token scale, the bias, the activation, the residual (and a post-LN encoder's LayerNorm,
+`forward_norm`) run after it, in one pass of tidepool's kernel (int8_ops.py); the quantizer is one
+pass too. Where the kernels cannot be built the same formulas run as torch ops.
+
+An input may be quantized asymmetrically instead (`asym`: uint8, each token's [min, max] onto
+[0, 255], x ≈ s·(q - z)): the GEMM runs u8 x s8 and the epilogue subtracts s·z · w_scale·Σ_k Wq,
+which gives skewed inputs (a GELU's output) twice the resolution.
 
 Per-token scales keep each row's result independent of the other rows in the batch; and the
 integer accumulation is exact, so a text's vector does not depend on its neighbours at all.
@@ -27,6 +32,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from tidepool.models.layers import int8_ops
 from tidepool.models.layers.activation import get_activation
 from tidepool.models.layers.linear import Linear, combine
 
@@ -72,9 +78,26 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
+def quantize_per_token_asym(
+    x: torch.Tensor, smoothing: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K] float32 (times `smoothing`) → (q [T, K] uint8, scale [T, 1], scale · zero point
+    [T, 1]): asymmetric, each row's [min, max] to [0, 255] (x ≈ scale · q - scale · z). The torch
+    form of the kernel's asymmetric quantizer (same formula, same rounding)."""
+    if smoothing is not None:
+        x = x * smoothing
+    low, high = torch.aminmax(x, dim=1, keepdim=True)
+    scale = (high - low).clamp_(min=_MIN_SCALE) / 255.0
+    zero = torch.round(-low / scale)
+    q = torch.round(x * (1.0 / scale)).add_(zero).clamp_(0, 255).to(torch.uint8)
+    return q, scale, scale * zero
+
+
 class Int8Linear(nn.Module):
-    """A drop-in for `Linear` (same forward: activation, `residual`, `multiply`) computing the
-    GEMM in int8. Built from a loaded float32 `Linear` by `from_linear`."""
+    """A drop-in for `Linear` (same forward: activation, `residual`, `multiply`; `forward_norm`)
+    computing the GEMM in int8. Built from a loaded float32 `Linear` by `from_linear`. `asym`:
+    the input is quantized asymmetrically to uint8 (one zero point per token: for skewed inputs
+    such as a GELU's output), else symmetrically to int8."""
 
     def __init__(
         self,
@@ -83,10 +106,12 @@ class Int8Linear(nn.Module):
         bias: torch.Tensor | None,
         activation: str | None,
         input_smoothing: torch.Tensor | None = None,
+        asym: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_q.shape
         self.activation = activation
+        self.asym = asym
         self._act = None
         if activation:
             self._act = _INPLACE_ACTIVATIONS.get(activation, get_activation(activation))
@@ -98,14 +123,23 @@ class Int8Linear(nn.Module):
             persistent=False,
         )
         """[K]: inputs are multiplied by it before quantizing (1 / the SmoothQuant factor)."""
+        # The zero-point correction: scale_n · Σ_k Wq_nk (exact integer sum, then scaled).
+        wsum = weight_scale * weight_q.sum(dim=1, dtype=torch.int64).float() if asym else None
+        self.register_buffer("weight_sum", wsum, persistent=False)
         self._weight_zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self._packed = torch.ops.onednn.qlinear_prepack(
             weight_q, [_PACK_BATCH_HINT, self.in_features]
         )
+        self._ops = int8_ops.load()
+        self._act_code = int8_ops.ACTIVATION_CODES.get(activation)
 
     @classmethod
     def from_linear(
-        cls, linear: Linear, input_amax: torch.Tensor | None = None, alpha: float = 0.5
+        cls,
+        linear: Linear,
+        input_amax: torch.Tensor | None = None,
+        alpha: float = 0.5,
+        asym: bool = False,
     ) -> Int8Linear:
         """From a loaded `Linear`; with `input_amax` (its largest input per channel, [K], from a
         calibration pass) the inputs are smoothed: divided per channel by
@@ -119,7 +153,24 @@ class Int8Linear(nn.Module):
             weight = weight * c
             smoothing = 1.0 / c
         weight_q, weight_scale = quantize_weight(weight)
-        return cls(weight_q, weight_scale, linear.bias, linear.activation, smoothing)
+        return cls(weight_q, weight_scale, linear.bias, linear.activation, smoothing, asym)
+
+    def _gemm(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, K] → (acc · w_scale [T, N] float32, the per-token scale [T, 1], scale · zero
+        point [T, 1] or None)."""
+        if self._ops is not None and x.stride(-1) == 1:
+            q, scale, scaled_zero = int8_ops.quantize_rows(x, self.input_smoothing, self.asym)
+        elif self.asym:
+            q, scale, scaled_zero = quantize_per_token_asym(x, self.input_smoothing)
+        else:
+            q, scale = quantize_per_token(x, self.input_smoothing)
+            scaled_zero = None
+        # The activation scale 1 and no bias: the per-token scale and the bias follow.
+        y = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 0, self._packed, self.weight_scale, self._weight_zero_points,
+            None, 1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        return y, scale, scaled_zero if self.asym else None
 
     def forward(
         self,
@@ -129,25 +180,64 @@ class Int8Linear(nn.Module):
     ) -> torch.Tensor:
         """activation(x @ W.T + b), plus `residual` or times `multiply`; x [..., K] float32."""
         lead = x.shape[:-1]
-        q, scale = quantize_per_token(x.reshape(-1, self.in_features), self.input_smoothing)
-        # acc · w_scale in float32 (the activation scale 1: the per-token scale follows).
-        y = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, 0, self._packed, self.weight_scale, self._weight_zero_points,
-            None, 1.0, 0, torch.float32, "none", [], "",
-        )  # fmt: skip
-        if self.bias is not None:
-            y = torch.addcmul(self.bias, y, scale, out=y)  # one pass: s · y + b
-        else:
-            y = y.mul_(scale)
+        y, scale, scaled_zero = self._gemm(x.reshape(-1, self.in_features))
+        if self._ops is not None and self._act_code is not None:
+            flat = [
+                t if t is None else t.reshape(-1, self.out_features) for t in (multiply, residual)
+            ]
+            self._ops.dequant_(
+                y, scale, scaled_zero, self.weight_sum, self.bias, self._act_code, *flat
+            )
+            return y.view(*lead, self.out_features)
+        y = self._dequantize(y, scale, scaled_zero)
         if self._act is not None:
             y = self._act(y)
         return combine(y.view(*lead, self.out_features), multiply, residual)
 
+    def forward_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm
+    ) -> torch.Tensor:
+        """norm(x @ W.T + b + residual), the dequantize, residual and LayerNorm in one pass."""
+        if self._ops is None or self._act is not None or not _fusable_norm(norm, x.dim()):
+            return norm(self(x, residual=residual))
+        y, scale, scaled_zero = self._gemm(x)
+        self._ops.dequant_norm_(
+            y, scale, scaled_zero, self.weight_sum, self.bias, residual,
+            norm.weight, norm.bias, norm.eps,
+        )  # fmt: skip
+        return y
+
+    def _dequantize(
+        self, y: torch.Tensor, scale: torch.Tensor, scaled_zero: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The torch form of the kernel's epilogue before the activation: s · y + b - s·z · wsum."""
+        if self.bias is not None:
+            y = torch.addcmul(self.bias, y, scale, out=y)  # one pass: s · y + b
+        else:
+            y = y.mul_(scale)
+        if scaled_zero is not None:
+            y = y.sub_(scaled_zero * self.weight_sum)
+        return y
+
     def extra_repr(self) -> str:
+        kind = "uint8 asymmetric" if self.asym else "int8 symmetric"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, activation={self.activation}, int8 per-token"
+            f"bias={self.bias is not None}, activation={self.activation}, {kind} per-token, "
+            f"kernels={'native' if self._ops is not None else 'torch'}"
         )
+
+
+def _fusable_norm(norm: nn.Module, dims: int) -> bool:
+    """A float32 LayerNorm over the last dim with weight and bias, on 2-D rows."""
+    return (
+        dims == 2
+        and type(norm) is nn.LayerNorm
+        and norm.weight is not None
+        and norm.bias is not None
+        and len(norm.normalized_shape) == 1
+        and norm.weight.dtype == torch.float32
+    )
 
 
 # In-place forms of the activations that have one (saves a [T, N] allocation and a pass).

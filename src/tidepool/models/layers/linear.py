@@ -94,6 +94,13 @@ class Linear(nn.Module):
             y = self._act(y)
         return combine(y, multiply, residual)
 
+    def forward_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm
+    ) -> torch.Tensor:
+        """norm(x @ W.T + b + residual): a post-LN encoder's dense → residual → LayerNorm (the
+        int8 layer runs the three in one pass after its GEMM)."""
+        return norm(self(x, residual=residual))
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "

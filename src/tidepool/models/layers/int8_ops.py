@@ -1,0 +1,72 @@
+"""tidepool's CPU kernels around the int8 GEMM (csrc/cpu_int8_ops.cpp): the per-token
+quantization of a GEMM's input and the epilogue of its float32 output (per-token scale, bias,
+zero-point correction, activation, multiply / residual, optionally LayerNorm), each one pass over
+a row while it sits in L1.
+
+Why: the same work as torch ops took ~63% of an int8 pass (three to four passes over each
+input to quantize it, two to three over each output; profile in docs/performance.md, "int8"),
+several times the GEMM itself. Built on first use like the attention kernels (named by the
+source's hash, cached under TORCH_EXTENSIONS_DIR); where the build fails or the CPU has no
+AVX-512, `load()` says why once and returns None, and `Int8Linear` keeps its torch ops.
+TIDEPOOL_CPU_ATTENTION=sdpa turns these off too (one switch for tidepool's hand-written CPU
+code), =native makes a failure an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import torch
+
+from tidepool.attention import cpu_kernels
+
+_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_int8_ops.cpp"
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-std=c++17"]
+ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2}
+"""The activations the epilogue applies itself (the kernel's codes); others run as torch ops."""
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _compile() -> object:
+    from torch.utils.cpp_extension import load as load_extension
+
+    cpu_kernels._put_ninja_on_path()
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    load_extension(
+        name=f"tidepool_int8_ops_{digest}",
+        sources=[str(_SOURCE)],
+        extra_cflags=[*_CFLAGS, "-fopenmp"],
+        extra_ldflags=["-fopenmp"],  # ATen's parallel_for runs on torch's OpenMP threads
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.tidepool_int8
+
+
+def load() -> object | None:
+    """The `tidepool_int8` op namespace, built and loaded on first call; None where it cannot
+    run. Call at load time (Int8Linear's constructor), not per step."""
+    if "ops" not in _state:
+        with _lock:
+            if "ops" not in _state:
+                _state["ops"] = cpu_kernels.build_or_fall_back(
+                    _compile, _SOURCE.name, "tidepool's int8 CPU kernels", "torch ops"
+                )
+    return _state["ops"]
+
+
+def quantize_rows(
+    x: torch.Tensor, smoothing: torch.Tensor | None, asym: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K] float32 (rows contiguous) → (q [T, K] int8 or uint8 (`asym`), scale [T, 1],
+    scale · zero point [T, 1]; zeros when symmetric)."""
+    rows = x.shape[0]
+    q = torch.empty(x.shape, dtype=torch.uint8 if asym else torch.int8)
+    scale = torch.empty(rows, 1)
+    scaled_zero = torch.empty(rows, 1)
+    torch.ops.tidepool_int8.quantize_rows(x, smoothing, asym, q, scale, scaled_zero)
+    return q, scale, scaled_zero

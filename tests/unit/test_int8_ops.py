@@ -1,0 +1,144 @@
+"""tidepool's int8 kernels (csrc/cpu_int8_ops.cpp, models/layers/int8_ops.py) against torch
+references: the quantizers bit for bit (same formula, same rounding), the epilogues within float32
+rounding (1e-6 relative: a handful of float32 operations per element), the GELU within 2e-6 of
+float64 (its erf is a rational approximation, < 5e-7 off, times x/2), and the int8 layer with the
+kernels against the same layer on torch ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidepool.models.layers import int8_ops
+from tidepool.models.layers.int8_linear import (
+    Int8Linear,
+    int8_gemm_available,
+    quantize_per_token_asym,
+)
+from tidepool.models.layers.linear import Linear
+
+pytestmark = pytest.mark.skipif(
+    not int8_gemm_available() or int8_ops.load() is None,
+    reason="the int8 kernels need oneDNN's int8 linear and an AVX-512 CPU with a C++ compiler",
+)
+OPS = torch.ops.tidepool_int8
+
+
+def _rows(num_tokens: int, width: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, width, generator=generator)
+    x[:, 1] *= 15.0  # an outlier channel
+    x[::3] += 0.7  # skewed rows, where the zero point moves
+    return x
+
+
+@pytest.mark.parametrize("width", [40, 384, 1536])  # 40: a tail that is not 16 lanes
+def test_symmetric_quantizer_is_round_half_even_of_x_over_scale(width: int) -> None:
+    x = _rows(33, width)
+    smoothing = torch.rand(width) + 0.5
+    q, scale, scaled_zero = int8_ops.quantize_rows(x, smoothing, asym=False)
+    v = x * smoothing
+    ref_scale = v.abs().amax(1, keepdim=True) / 127.0
+    assert q.dtype == torch.int8
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.float(), torch.round(v * (1.0 / ref_scale)))
+    assert torch.count_nonzero(scaled_zero) == 0
+
+
+@pytest.mark.parametrize("width", [40, 384, 1536])
+def test_asymmetric_quantizer_matches_its_torch_form(width: int) -> None:
+    x = _rows(33, width, seed=1)
+    smoothing = torch.rand(width) + 0.5
+    q, scale, scaled_zero = int8_ops.quantize_rows(x, smoothing, asym=True)
+    ref_q, ref_scale, ref_scaled_zero = quantize_per_token_asym(x, smoothing)
+    assert q.dtype == torch.uint8
+    assert torch.equal(q, ref_q)
+    assert torch.equal(scale, ref_scale)
+    assert torch.allclose(scaled_zero, ref_scaled_zero, rtol=1e-6, atol=0)
+    # Each value is within half a step of its reconstruction; both ends of the range are used.
+    error = (scale * q.float() - scaled_zero - x * smoothing).abs()
+    assert (error <= scale * 0.5001).all()
+    assert (q.amin(1) == 0).all() and (q.amax(1) == 255).all()
+
+
+@pytest.mark.parametrize("activation", [None, "gelu", "relu"])
+def test_epilogue_matches_float64(activation: str | None) -> None:
+    tokens, width = 29, 72
+    y, multiply, residual = (_rows(tokens, width, seed) for seed in (2, 3, 4))
+    scale, scaled_zero = torch.rand(tokens, 1), torch.rand(tokens, 1)
+    bias, wsum = torch.randn(width), torch.randn(width)
+    ref = (scale * y + bias - scaled_zero * wsum).double()
+    ref = {None: lambda t: t, "gelu": F.gelu, "relu": torch.relu}[activation](ref)
+    ref = ref * multiply + residual
+    out = y.clone()
+    code = int8_ops.ACTIVATION_CODES[activation]
+    OPS.dequant_(out, scale, scaled_zero, wsum, bias, code, multiply, residual)
+    assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-5)
+
+
+def test_epilogue_with_layer_norm_matches_torch() -> None:
+    tokens, width = 29, 72
+    y, residual = _rows(tokens, width, 5), _rows(tokens, width, 6)
+    scale = torch.rand(tokens, 1)
+    bias, gamma, beta = torch.randn(width), torch.randn(width), torch.randn(width)
+    out = y.clone()
+    OPS.dequant_norm_(out, scale, None, None, bias, residual, gamma, beta, 1e-12)
+    ref = F.layer_norm(
+        (scale * y + bias + residual).double(), (width,), gamma.double(), beta.double(), 1e-12
+    )
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gelu_is_within_2e_6_of_float64() -> None:
+    x = torch.linspace(-9.0, 9.0, 200_001).view(1, -1)
+    out = x.clone()
+    OPS.dequant_(out, torch.ones(1, 1), None, None, None, 1, None, None)
+    assert (out.double() - F.gelu(x.double())).abs().max() < 2e-6
+
+
+def test_bad_arguments_are_refused() -> None:
+    x = torch.randn(4, 32)
+    with pytest.raises(RuntimeError, match="q: contiguous uint8"):
+        OPS.quantize_rows(x, None, True, torch.empty(4, 32, dtype=torch.int8), *torch.empty(2, 4))
+    with pytest.raises(RuntimeError, match="scaled_zero and wsum come together"):
+        OPS.dequant_(x, torch.ones(4), torch.ones(4), None, None, 0, None, None)
+
+
+def _layer(in_features: int, out_features: int, activation: str | None, asym: bool) -> Int8Linear:
+    torch.manual_seed(0)
+    layer = Linear(in_features, out_features, activation=activation)
+    with torch.no_grad():
+        layer.weight.normal_(0, in_features**-0.5)
+        layer.bias.normal_(0, 0.1)
+    return Int8Linear.from_linear(layer, asym=asym)
+
+
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_layer_with_kernels_matches_the_layer_on_torch_ops(asym: bool, activation) -> None:
+    layer = _layer(96, 80, activation, asym)
+    x, residual = _rows(37, 96, 7), _rows(37, 80, 8)
+    fast = layer(x, residual=residual)
+    layer._ops = None  # the fallback: the same formulas as torch ops
+    slow = layer(x, residual=residual)
+    assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("asym", [False, True])
+def test_fused_layer_norm_matches_the_layer_then_the_norm(asym: bool) -> None:
+    layer = _layer(96, 80, None, asym)
+    norm = torch.nn.LayerNorm(80, eps=1e-12)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.1)
+        norm.bias.normal_(0, 0.1)
+    x, residual = _rows(37, 96, 9), _rows(37, 80, 10)
+    assert torch.allclose(
+        layer.forward_norm(x, residual, norm), norm(layer(x, residual=residual)), atol=2e-5
+    )
+
+
+def test_asymmetric_layer_row_does_not_depend_on_its_neighbours() -> None:
+    layer = _layer(96, 80, "gelu", asym=True)
+    x = _rows(50, 96, 11)
+    assert torch.equal(layer(x)[17:18], layer(x[17:18]))
