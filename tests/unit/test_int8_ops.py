@@ -73,7 +73,7 @@ def test_epilogue_matches_float64(activation: str | None) -> None:
     ref = ref * multiply + residual
     out = y.clone()
     code = int8_ops.ACTIVATION_CODES[activation]
-    OPS.dequant_(out, scale, scaled_zero, wsum, bias, code, multiply, residual)
+    OPS.dequant_(out, scale, scaled_zero, wsum, bias, code, multiply, residual, *[None] * 4)
     assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-5)
 
 
@@ -83,7 +83,7 @@ def test_epilogue_with_layer_norm_matches_torch() -> None:
     scale = torch.rand(tokens, 1)
     bias, gamma, beta = torch.randn(width), torch.randn(width), torch.randn(width)
     out = y.clone()
-    OPS.dequant_norm_(out, scale, None, None, bias, residual, gamma, beta, 1e-12)
+    OPS.dequant_norm_(out, scale, None, None, bias, residual, gamma, beta, 1e-12, *[None] * 4)
     ref = F.layer_norm(
         (scale * y + bias + residual).double(), (width,), gamma.double(), beta.double(), 1e-12
     )
@@ -93,7 +93,7 @@ def test_epilogue_with_layer_norm_matches_torch() -> None:
 def test_gelu_is_within_2e_6_of_float64() -> None:
     x = torch.linspace(-9.0, 9.0, 200_001).view(1, -1)
     out = x.clone()
-    OPS.dequant_(out, torch.ones(1, 1), None, None, None, 1, None, None)
+    OPS.dequant_(out, torch.ones(1, 1), None, None, None, 1, *[None] * 6)
     assert (out.double() - F.gelu(x.double())).abs().max() < 2e-6
 
 
@@ -102,7 +102,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(RuntimeError, match="q: contiguous uint8"):
         OPS.quantize_rows(x, None, True, torch.empty(4, 32, dtype=torch.int8), *torch.empty(2, 4))
     with pytest.raises(RuntimeError, match="scaled_zero and wsum come together"):
-        OPS.dequant_(x, torch.ones(4), torch.ones(4), None, None, 0, None, None)
+        OPS.dequant_(x, torch.ones(4), torch.ones(4), None, None, 0, *[None] * 6)
 
 
 def _layer(in_features: int, out_features: int, activation: str | None, asym: bool) -> Int8Linear:

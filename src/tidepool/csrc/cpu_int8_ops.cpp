@@ -9,6 +9,8 @@
 //                   in place on the GEMM's float32 output (oneDNN has applied the per-channel
 //                   weight scale; wsum_n = w_scale_n · Σ_k Wq_nk undoes the zero point).
 //   dequant_norm_:  the same with the residual, then LayerNorm over the row (post-LN encoders).
+// Both may also quantize each finished row for the next int8 GEMM (its smoothing, its scheme)
+// while the row is in L1: the next layer then skips its own quantizer pass.
 //
 // Rounding is to nearest even (the default MXCSR mode of _mm512_cvtps_epi32), like torch.round.
 // Loaded by models/layers/int8_ops.py, which keeps torch ops as the fallback.
@@ -191,6 +193,44 @@ inline __m512 epilogue_lanes(const Epilogue& e, const float* y, int64_t t, int64
   return v;
 }
 
+// Optionally, each finished row is quantized again for the next int8 GEMM (while in L1).
+struct Handoff {
+  const float* smoothing = nullptr;
+  void* q = nullptr;  // null: no handoff
+  bool asym = false;
+  float* scale = nullptr;
+  float* scaled_zero = nullptr;
+
+  void row(const float* y, int64_t t, int64_t N) const {
+    if (q == nullptr) return;
+    if (asym) {
+      quantize_row_asym(y, smoothing, N, static_cast<uint8_t*>(q) + t * N, scale + t,
+                        scaled_zero + t);
+    } else {
+      quantize_row_sym(y, smoothing, N, static_cast<int8_t*>(q) + t * N, scale + t);
+      scaled_zero[t] = 0.f;
+    }
+  }
+};
+
+Handoff make_handoff(const at::Tensor& y, const c10::optional<at::Tensor>& smoothing,
+                     const c10::optional<at::Tensor>& q, const c10::optional<at::Tensor>& scale,
+                     const c10::optional<at::Tensor>& scaled_zero) {
+  Handoff h;
+  if (!q.has_value()) return h;
+  const int64_t T = y.size(0), N = y.size(1);
+  TORCH_CHECK(q->is_contiguous() && q->sizes() == y.sizes() &&
+                  (q->scalar_type() == at::kByte || q->scalar_type() == at::kChar),
+              "q: contiguous int8 / uint8 like y");
+  TORCH_CHECK(scale.has_value() && scaled_zero.has_value(), "q comes with its scale tensors");
+  h.asym = q->scalar_type() == at::kByte;
+  h.q = q->data_ptr();
+  h.smoothing = optional_ptr(smoothing, N, "next_smoothing");
+  h.scale = const_cast<float*>(optional_ptr(scale, T, "q_scale"));
+  h.scaled_zero = const_cast<float*>(optional_ptr(scaled_zero, T, "q_scaled_zero"));
+  return h;
+}
+
 Epilogue make_epilogue(const at::Tensor& y, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& scaled_zero,
                        const c10::optional<at::Tensor>& wsum,
@@ -224,8 +264,12 @@ Epilogue make_epilogue(const at::Tensor& y, const at::Tensor& scale,
 void dequant_(at::Tensor& y, const at::Tensor& scale, const c10::optional<at::Tensor>& scaled_zero,
               const c10::optional<at::Tensor>& wsum, const c10::optional<at::Tensor>& bias,
               int64_t act, const c10::optional<at::Tensor>& multiply,
-              const c10::optional<at::Tensor>& residual) {
+              const c10::optional<at::Tensor>& residual,
+              const c10::optional<at::Tensor>& next_smoothing, const c10::optional<at::Tensor>& q,
+              const c10::optional<at::Tensor>& q_scale,
+              const c10::optional<at::Tensor>& q_scaled_zero) {
   const Epilogue e = make_epilogue(y, scale, scaled_zero, wsum, bias, act, multiply, residual);
+  const Handoff h = make_handoff(y, next_smoothing, q, q_scale, q_scaled_zero);
   const int64_t T = y.size(0), N = y.size(1);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
@@ -235,6 +279,7 @@ void dequant_(at::Tensor& y, const at::Tensor& scale, const c10::optional<at::Te
         const __mmask16 m = tail_mask(N - n);
         _mm512_mask_storeu_ps(row + n, m, epilogue_lanes(e, row, t, n, m));
       }
+      h.row(row, t, N);
     }
   });
 }
@@ -245,8 +290,12 @@ void dequant_norm_(at::Tensor& y, const at::Tensor& scale,
                    const c10::optional<at::Tensor>& scaled_zero,
                    const c10::optional<at::Tensor>& wsum, const c10::optional<at::Tensor>& bias,
                    const c10::optional<at::Tensor>& residual, const at::Tensor& gamma,
-                   const at::Tensor& beta, double eps) {
+                   const at::Tensor& beta, double eps,
+                   const c10::optional<at::Tensor>& next_smoothing,
+                   const c10::optional<at::Tensor>& q, const c10::optional<at::Tensor>& q_scale,
+                   const c10::optional<at::Tensor>& q_scaled_zero) {
   const Epilogue e = make_epilogue(y, scale, scaled_zero, wsum, bias, kNone, c10::nullopt, residual);
+  const Handoff h = make_handoff(y, next_smoothing, q, q_scale, q_scaled_zero);
   const int64_t T = y.size(0), N = y.size(1);
   const float* g = optional_ptr(gamma, N, "gamma");
   const float* b = optional_ptr(beta, N, "beta");
@@ -276,6 +325,7 @@ void dequant_norm_(at::Tensor& y, const at::Tensor& scale,
         const __m512 d = _mm512_mul_ps(_mm512_sub_ps(load(row + n, m), mu), rstd);
         _mm512_mask_storeu_ps(row + n, m, _mm512_fmadd_ps(d, load(g + n, m), load(b + n, m)));
       }
+      h.row(row, t, N);
     }
   });
 }
@@ -288,10 +338,12 @@ TORCH_LIBRARY(tidepool_int8, m) {
       "Tensor(c!) scaled_zero) -> ()");
   m.def(
       "dequant_(Tensor(a!) y, Tensor scale, Tensor? scaled_zero, Tensor? wsum, Tensor? bias, "
-      "int act, Tensor? multiply, Tensor? residual) -> ()");
+      "int act, Tensor? multiply, Tensor? residual, Tensor? next_smoothing, Tensor(b!)? q, "
+      "Tensor(c!)? q_scale, Tensor(d!)? q_scaled_zero) -> ()");
   m.def(
       "dequant_norm_(Tensor(a!) y, Tensor scale, Tensor? scaled_zero, Tensor? wsum, Tensor? bias, "
-      "Tensor? residual, Tensor gamma, Tensor beta, float eps) -> ()");
+      "Tensor? residual, Tensor gamma, Tensor beta, float eps, Tensor? next_smoothing, "
+      "Tensor(b!)? q, Tensor(c!)? q_scale, Tensor(d!)? q_scaled_zero) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tidepool_int8, CPU, m) {

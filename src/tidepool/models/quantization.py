@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tidepool.attention.metadata import build_encoder_metadata
+from tidepool.models.int8_chains import link_handoffs
 from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
 from tidepool.models.layers.linear import Linear
 
@@ -177,7 +178,9 @@ def quantize_model(model: nn.Module, sequences: list[torch.Tensor]) -> Quantizat
         )
     cos = torch.nn.functional.cosine_similarity(_mean_pooled(model, held_out), reference)
     check = QuantizationCheck(float(cos.min()), float(cos.mean()))
-    if not check.passed:
+    if check.passed:
+        link_handoffs(model)
+    else:
         for name, linear in linears.items():
             _set_submodule(model, name, linear)
         logger.warning(

@@ -155,22 +155,53 @@ class Int8Linear(nn.Module):
         weight_q, weight_scale = quantize_weight(weight)
         return cls(weight_q, weight_scale, linear.bias, linear.activation, smoothing, asym)
 
-    def _gemm(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x [T, K] → (acc · w_scale [T, N] float32, the per-token scale [T, 1], scale · zero
-        point [T, 1] or None)."""
+    def feed(self, consumer: Int8Linear) -> None:
+        """This layer's output is (among others) `consumer`'s input, unchanged: quantize each
+        output row for it in the epilogue, while the row is in L1, so it skips its quantizer
+        pass. The model passes the tensor on as before; `consumer` takes the quantized form only
+        when the tensor it is given is that very object (else it quantizes it itself)."""
+        # Not a submodule: a plain attribute, so the module tree and state dict stay as they are.
+        self.__dict__["_consumer"] = consumer
+
+    def _quantized_input(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, scale, scaled_zero) for x [..., K]: the producer's handoff when x is its output."""
+        handoff = self.__dict__.get("_handoff")
+        if handoff is not None and handoff[0] is x:
+            del self.__dict__["_handoff"]
+            return handoff[1:]
+        x = x.reshape(-1, self.in_features)
         if self._ops is not None and x.stride(-1) == 1:
-            q, scale, scaled_zero = int8_ops.quantize_rows(x, self.input_smoothing, self.asym)
-        elif self.asym:
-            q, scale, scaled_zero = quantize_per_token_asym(x, self.input_smoothing)
-        else:
-            q, scale = quantize_per_token(x, self.input_smoothing)
-            scaled_zero = None
+            return int8_ops.quantize_rows(x, self.input_smoothing, self.asym)
+        if self.asym:
+            return quantize_per_token_asym(x, self.input_smoothing)
+        q, scale = quantize_per_token(x, self.input_smoothing)
+        return q, scale, torch.zeros_like(scale)
+
+    def _gemm(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [..., K] → (acc · w_scale [T, N] float32, the per-token scale [T, 1], scale · zero
+        point [T, 1] or None)."""
+        q, scale, scaled_zero = self._quantized_input(x)
         # The activation scale 1 and no bias: the per-token scale and the bias follow.
         y = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, 0, self._packed, self.weight_scale, self._weight_zero_points,
             None, 1.0, 0, torch.float32, "none", [], "",
         )  # fmt: skip
         return y, scale, scaled_zero if self.asym else None
+
+    def _handoff_args(self, y: torch.Tensor) -> list[torch.Tensor | None]:
+        """The epilogue's last four arguments: the consumer's smoothing and the tensors its
+        quantized input is written to (all None without a consumer)."""
+        consumer = self.__dict__.get("_consumer")
+        if consumer is None:
+            return [None] * 4
+        rows = y.shape[0]
+        q = torch.empty(y.shape, dtype=torch.uint8 if consumer.asym else torch.int8)
+        return [consumer.input_smoothing, q, torch.empty(rows, 1), torch.empty(rows, 1)]
+
+    def _hand_off(self, out: torch.Tensor, args: list[torch.Tensor | None]) -> torch.Tensor:
+        if args[1] is not None:
+            self.__dict__["_consumer"].__dict__["_handoff"] = (out, *args[1:])
+        return out
 
     def forward(
         self,
@@ -180,15 +211,16 @@ class Int8Linear(nn.Module):
     ) -> torch.Tensor:
         """activation(x @ W.T + b), plus `residual` or times `multiply`; x [..., K] float32."""
         lead = x.shape[:-1]
-        y, scale, scaled_zero = self._gemm(x.reshape(-1, self.in_features))
+        y, scale, scaled_zero = self._gemm(x)
         if self._ops is not None and self._act_code is not None:
             flat = [
                 t if t is None else t.reshape(-1, self.out_features) for t in (multiply, residual)
             ]
+            handoff = self._handoff_args(y)
             self._ops.dequant_(
-                y, scale, scaled_zero, self.weight_sum, self.bias, self._act_code, *flat
+                y, scale, scaled_zero, self.weight_sum, self.bias, self._act_code, *flat, *handoff
             )
-            return y.view(*lead, self.out_features)
+            return self._hand_off(y.view(*lead, self.out_features), handoff)
         y = self._dequantize(y, scale, scaled_zero)
         if self._act is not None:
             y = self._act(y)
@@ -201,11 +233,12 @@ class Int8Linear(nn.Module):
         if self._ops is None or self._act is not None or not _fusable_norm(norm, x.dim()):
             return norm(self(x, residual=residual))
         y, scale, scaled_zero = self._gemm(x)
+        handoff = self._handoff_args(y)
         self._ops.dequant_norm_(
             y, scale, scaled_zero, self.weight_sum, self.bias, residual,
-            norm.weight, norm.bias, norm.eps,
+            norm.weight, norm.bias, norm.eps, *handoff,
         )  # fmt: skip
-        return y
+        return self._hand_off(y, handoff)
 
     def _dequantize(
         self, y: torch.Tensor, scale: torch.Tensor, scaled_zero: torch.Tensor | None

@@ -1,0 +1,52 @@
+"""Which int8 layers hand their output on already quantized (`Int8Linear.feed`): where a linear's
+output is, unchanged, the next linear's input, its epilogue quantizes each row for that next
+linear while the row is in L1, and the next linear skips its quantizer pass (one read of the
+tensor, ~10% of an int8 MiniLM pass).
+
+The links follow the native encoders' layer shapes (models/bert.py and the models built on it,
+models/t5.py): in a post-LN layer the attention output's LayerNorm'd rows are FFN up's input,
+FFN up's rows FFN down's, and FFN down's LayerNorm'd rows the next layer's fused QKV input; in a
+T5 FFN the (gated) up projection's rows are `wo`'s. A consumer takes the handoff only when it is
+given that very tensor object, so a model that does something else with it stays correct, just
+without the saving.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tidepool.models.layers.int8_linear import Int8Linear
+
+
+def link_handoffs(model: nn.Module) -> int:
+    """Link the producer → consumer pairs of `model`'s int8 layers; returns how many."""
+    links = 0
+    for module in model.modules():
+        layers = getattr(module, "layer", None)
+        if isinstance(layers, nn.ModuleList):
+            for i, layer in enumerate(layers):
+                up = _at(layer, "intermediate.dense")
+                links += _link(_at(layer, "attention.output.dense"), up)
+                links += _link(up, _at(layer, "output.dense"))
+                if i + 1 < len(layers):
+                    links += _link(
+                        _at(layer, "output.dense"), _at(layers[i + 1], "attention.self.qkv")
+                    )
+        up = getattr(module, "wi_1", None) or getattr(module, "wi", None)
+        links += _link(up, getattr(module, "wo", None))
+    return links
+
+
+def _at(module: nn.Module, path: str) -> nn.Module | None:
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def _link(producer: nn.Module | None, consumer: nn.Module | None) -> int:
+    if isinstance(producer, Int8Linear) and isinstance(consumer, Int8Linear):
+        producer.feed(consumer)
+        return 1
+    return 0

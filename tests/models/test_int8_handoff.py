@@ -1,0 +1,45 @@
+"""int8 layers that hand their output on already quantized (models/int8_chains.py): which pairs
+link in a BERT layer, that the consumers then skip their quantizer, and that the result is the
+same, bit for bit, as each layer quantizing its own input (the same kernel on the same rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidepool import LLM
+from tidepool.models.layers import int8_ops
+from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
+
+pytestmark = pytest.mark.skipif(
+    not int8_gemm_available() or int8_ops.load() is None,
+    reason="the handoff is the int8 kernels' (oneDNN int8 linear, AVX-512, a C++ compiler)",
+)
+TEXTS = ["hi", "The quick brown fox jumps over the lazy dog.", "Packed tokens, no padding."]
+
+
+def _vectors(llm: LLM) -> torch.Tensor:
+    return torch.stack([torch.as_tensor(o.outputs.embedding) for o in llm.embed(TEXTS)])
+
+
+def test_links_skip_the_quantizer_and_change_nothing(tiny_model_path, monkeypatch) -> None:
+    llm = LLM(str(tiny_model_path("bert")), quantization="int8")
+    model = llm.engine.model_runner.model
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    producers = [m for m in layers if m.__dict__.get("_consumer") is not None]
+    num_layers = model.config.num_hidden_layers
+    # Per layer: attention output → FFN up → FFN down → (the next layer's QKV).
+    assert len(producers) == 3 * num_layers - 1
+    calls = []
+    real = int8_ops.quantize_rows
+    monkeypatch.setattr(int8_ops, "quantize_rows", lambda *a: calls.append(1) or real(*a))
+    linked = _vectors(llm)
+    # Only the first QKV (the embeddings' rows) and each attention output (the attention's rows)
+    # quantize their own inputs.
+    assert len(calls) == 1 + num_layers
+    for m in producers:
+        m.__dict__["_consumer"] = None
+    calls.clear()
+    unlinked = _vectors(llm)
+    assert len(calls) == len(layers)
+    assert torch.equal(linked, unlinked)
