@@ -73,7 +73,7 @@ def test_epilogue_matches_float64(activation: str | None) -> None:
     ref = ref * multiply + residual
     out = y.clone()
     code = int8_ops.ACTIVATION_CODES[activation]
-    OPS.dequant_(out, scale, scaled_zero, wsum, bias, code, multiply, residual, *[None] * 4)
+    OPS.dequant_(out, scale, scaled_zero, wsum, bias, code, multiply, residual, *[None] * 5)
     assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-5)
 
 
@@ -83,7 +83,7 @@ def test_epilogue_with_layer_norm_matches_torch() -> None:
     scale = torch.rand(tokens, 1)
     bias, gamma, beta = torch.randn(width), torch.randn(width), torch.randn(width)
     out = y.clone()
-    OPS.dequant_norm_(out, scale, None, None, bias, residual, gamma, beta, 1e-12, *[None] * 4)
+    OPS.dequant_norm_(out, scale, None, None, bias, residual, gamma, beta, 1e-12, *[None] * 5)
     ref = F.layer_norm(
         (scale * y + bias + residual).double(), (width,), gamma.double(), beta.double(), 1e-12
     )
@@ -93,7 +93,7 @@ def test_epilogue_with_layer_norm_matches_torch() -> None:
 def test_gelu_is_within_2e_6_of_float64() -> None:
     x = torch.linspace(-9.0, 9.0, 200_001).view(1, -1)
     out = x.clone()
-    OPS.dequant_(out, torch.ones(1, 1), None, None, None, 1, *[None] * 6)
+    OPS.dequant_(out, torch.ones(1, 1), None, None, None, 1, *[None] * 7)
     assert (out.double() - F.gelu(x.double())).abs().max() < 2e-6
 
 
@@ -102,7 +102,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(RuntimeError, match="q: contiguous uint8"):
         OPS.quantize_rows(x, None, True, torch.empty(4, 32, dtype=torch.int8), *torch.empty(2, 4))
     with pytest.raises(RuntimeError, match="scaled_zero and wsum come together"):
-        OPS.dequant_(x, torch.ones(4), torch.ones(4), None, None, 0, *[None] * 6)
+        OPS.dequant_(x, torch.ones(4), torch.ones(4), None, None, 0, *[None] * 7)
 
 
 def _layer(in_features: int, out_features: int, activation: str | None, asym: bool) -> Int8Linear:
@@ -142,3 +142,22 @@ def test_asymmetric_layer_row_does_not_depend_on_its_neighbours() -> None:
     layer = _layer(96, 80, "gelu", asym=True)
     x = _rows(50, 96, 11)
     assert torch.equal(layer(x)[17:18], layer(x[17:18]))
+
+
+@pytest.mark.parametrize("asym", [False, True])
+def test_blocks_of_rows_give_the_same_rows(asym: bool) -> None:
+    """The GEMM and epilogue run on blocks of rows (cache-sized); a row's result does not depend
+    on the blocking: the same bits, with a residual, a LayerNorm and a handoff to a consumer."""
+    up, down = _layer(96, 80, "gelu", asym), _layer(80, 96, None, asym=not asym)
+    up.feed(down)
+    norm = torch.nn.LayerNorm(96, eps=1e-12)
+    x, residual = _rows(100, 96, 12), _rows(100, 96, 13)
+
+    def run(block_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        up._block_rows = down._block_rows = block_rows
+        hidden = up(x)
+        assert down.__dict__["_handoff"][0] is hidden
+        return hidden, down.forward_norm(hidden, residual, norm)
+
+    whole, blocked = run(10_000), run(7)
+    assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[1], blocked[1])

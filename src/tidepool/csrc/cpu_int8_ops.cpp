@@ -261,23 +261,34 @@ Epilogue make_epilogue(const at::Tensor& y, const at::Tensor& scale,
   return e;
 }
 
+// Where an epilogue writes: `out` (contiguous, like y) when given, else y itself.
+float* output_ptr(at::Tensor& y, const c10::optional<at::Tensor>& out) {
+  if (!out.has_value()) return y.data_ptr<float>();
+  TORCH_CHECK(out->is_contiguous() && out->sizes() == y.sizes() &&
+                  out->scalar_type() == at::kFloat,
+              "out: contiguous float32 like y");
+  return out->data_ptr<float>();
+}
+
 void dequant_(at::Tensor& y, const at::Tensor& scale, const c10::optional<at::Tensor>& scaled_zero,
               const c10::optional<at::Tensor>& wsum, const c10::optional<at::Tensor>& bias,
               int64_t act, const c10::optional<at::Tensor>& multiply,
               const c10::optional<at::Tensor>& residual,
               const c10::optional<at::Tensor>& next_smoothing, const c10::optional<at::Tensor>& q,
               const c10::optional<at::Tensor>& q_scale,
-              const c10::optional<at::Tensor>& q_scaled_zero) {
+              const c10::optional<at::Tensor>& q_scaled_zero,
+              const c10::optional<at::Tensor>& out) {
   const Epilogue e = make_epilogue(y, scale, scaled_zero, wsum, bias, act, multiply, residual);
   const Handoff h = make_handoff(y, next_smoothing, q, q_scale, q_scaled_zero);
   const int64_t T = y.size(0), N = y.size(1);
-  float* yp = y.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  float* op = output_ptr(y, out);
   at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      float* row = yp + t * N;
+      float* row = op + t * N;
       for (int64_t n = 0; n < N; n += 16) {
         const __mmask16 m = tail_mask(N - n);
-        _mm512_mask_storeu_ps(row + n, m, epilogue_lanes(e, row, t, n, m));
+        _mm512_mask_storeu_ps(row + n, m, epilogue_lanes(e, yp + t * N, t, n, m));
       }
       h.row(row, t, N);
     }
@@ -293,20 +304,22 @@ void dequant_norm_(at::Tensor& y, const at::Tensor& scale,
                    const at::Tensor& beta, double eps,
                    const c10::optional<at::Tensor>& next_smoothing,
                    const c10::optional<at::Tensor>& q, const c10::optional<at::Tensor>& q_scale,
-                   const c10::optional<at::Tensor>& q_scaled_zero) {
+                   const c10::optional<at::Tensor>& q_scaled_zero,
+              const c10::optional<at::Tensor>& out) {
   const Epilogue e = make_epilogue(y, scale, scaled_zero, wsum, bias, kNone, c10::nullopt, residual);
   const Handoff h = make_handoff(y, next_smoothing, q, q_scale, q_scaled_zero);
   const int64_t T = y.size(0), N = y.size(1);
   const float* g = optional_ptr(gamma, N, "gamma");
   const float* b = optional_ptr(beta, N, "beta");
-  float* yp = y.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  float* op = output_ptr(y, out);
   at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      float* row = yp + t * N;
+      float* row = op + t * N;
       __m512 sum = _mm512_setzero_ps();
       for (int64_t n = 0; n < N; n += 16) {
         const __mmask16 m = tail_mask(N - n);
-        const __m512 v = epilogue_lanes(e, row, t, n, m);
+        const __m512 v = epilogue_lanes(e, yp + t * N, t, n, m);
         _mm512_mask_storeu_ps(row + n, m, v);
         sum = _mm512_add_ps(sum, v);  // masked lanes are 0
       }
@@ -339,11 +352,11 @@ TORCH_LIBRARY(tidepool_int8, m) {
   m.def(
       "dequant_(Tensor(a!) y, Tensor scale, Tensor? scaled_zero, Tensor? wsum, Tensor? bias, "
       "int act, Tensor? multiply, Tensor? residual, Tensor? next_smoothing, Tensor(b!)? q, "
-      "Tensor(c!)? q_scale, Tensor(d!)? q_scaled_zero) -> ()");
+      "Tensor(c!)? q_scale, Tensor(d!)? q_scaled_zero, Tensor(e!)? out) -> ()");
   m.def(
       "dequant_norm_(Tensor(a!) y, Tensor scale, Tensor? scaled_zero, Tensor? wsum, Tensor? bias, "
       "Tensor? residual, Tensor gamma, Tensor beta, float eps, Tensor? next_smoothing, "
-      "Tensor(b!)? q, Tensor(c!)? q_scale, Tensor(d!)? q_scaled_zero) -> ()");
+      "Tensor(b!)? q, Tensor(c!)? q_scale, Tensor(d!)? q_scaled_zero, Tensor(e!)? out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tidepool_int8, CPU, m) {
