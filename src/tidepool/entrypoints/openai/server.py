@@ -48,6 +48,12 @@ from tidepool.entrypoints.openai.errors import (
     error_response,
     exception_response,
 )
+from tidepool.entrypoints.openai.fast_routes import (
+    FastRoutesMiddleware,
+    fast_table,
+    mark_fast,
+    validated_body,
+)
 from tidepool.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tidepool.entrypoints.openai.middleware import (
     DECLARED_CONTENT_TYPE,
@@ -242,6 +248,7 @@ def build_app(
     _add_info_routes(app, models, metrics)
     known_paths = {getattr(r, "path", "") for r in app.routes}
     # Each one added wraps the ones before: metrics, outermost, sees every status.
+    app.add_middleware(FastRoutesMiddleware, routes=fast_table(app.routes), state=state)
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
@@ -281,7 +288,7 @@ def _add_routes(
         exclude_none: bool = False,
         count_tokens: bool = True,
     ) -> None:
-        async def route(body: body_type, raw_request: Request) -> Response:  # type: ignore[valid-type]
+        async def answer(body: Any, raw_request: Request) -> Response:
             async def work() -> Response:
                 model = models.resolve(getattr(body, "model", None))
                 result = await service(model)(body)
@@ -293,10 +300,20 @@ def _add_routes(
 
             return await serve_until_disconnect(raw_request, work(), admission)
 
+        async def route(body: body_type, raw_request: Request) -> Response:  # type: ignore[valid-type]
+            return await answer(body, raw_request)
+
+        read_body = validated_body(body_type)
+
+        async def fast(raw_request: Request) -> Response | None:
+            body = await read_body(raw_request)
+            return None if body is None else await answer(body, raw_request)
+
         # Real types, not the strings of `from __future__ import annotations`: FastAPI reads
         # them to parse and validate the body, and `body_type` is local to this function.
         route.__annotations__ = {"body": body_type, "raw_request": Request, "return": Response}
         route.__name__ = "route_" + path.strip("/").replace("/", "_")
+        mark_fast(route, fast)
         app.post(path)(route)
 
     engine_route("/v1/embeddings", lambda m: m.serving.embed, p.EmbeddingRequest)
