@@ -18,8 +18,13 @@ query from several services). Two servers then run side by side: "shared" (in-fl
 a result cache, --embedding-cache-size) and "every input" (--disable-shared-work); each round
 uses a corpus of its own, so no round is served from an earlier round's cache.
 
+--variant NAME:KEY=VALUE[,...]: one more server, started with those environment variables
+(PYTHONPATH=DIR serves another source tree), in the same rounds; the servers' order alternates
+between rounds, and the median ratio of each variant to the first server is printed (an A/B).
+
     python benchmarks/serve_load.py [--clients 32] [--texts 2000] [--rounds 3]
         [--max-texts-per-request 64] [--repeat-fraction 0.5] [--client raw|httpx]
+        [--variant base:PYTHONPATH=/path/to/other/src]
 """
 
 from __future__ import annotations
