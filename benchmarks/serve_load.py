@@ -18,8 +18,13 @@ query from several services). Two servers then run side by side: "shared" (in-fl
 a result cache, --embedding-cache-size) and "every input" (--disable-shared-work); each round
 uses a corpus of its own, so no round is served from an earlier round's cache.
 
+--variant NAME:KEY=VALUE[,...]: one more server, started with those environment variables
+(PYTHONPATH=DIR serves another source tree), in the same rounds; the servers' order alternates
+between rounds, and the median ratio of each variant to the first server is printed (an A/B).
+
     python benchmarks/serve_load.py [--clients 32] [--texts 2000] [--rounds 3]
         [--max-texts-per-request 64] [--repeat-fraction 0.5] [--client raw|httpx]
+        [--variant base:PYTHONPATH=/path/to/other/src]
 """
 
 from __future__ import annotations
@@ -247,17 +252,29 @@ def _parse_args() -> argparse.Namespace:
                         help="the clients: a light asyncio-streams client, or httpx")  # fmt: skip
     parser.add_argument("--server-arg", action="append", default=[],
                         help="extra `tidepool serve` argument (repeatable)")  # fmt: skip
+    parser.add_argument("--variant", action="append", default=[],
+                        metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+                        help="also measure, in the same rounds, a server started with these "
+                        "environment variables (PYTHONPATH=DIR: another source tree; "
+                        "TIDEPOOL_NUM_THREADS=1...) (repeatable)")  # fmt: skip
     return parser.parse_args()
 
 
-def _servers(args: argparse.Namespace) -> dict[str, list[str]]:
+def _servers(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str] | None]]:
+    """Each side's `tidepool serve` arguments and extra environment variables."""
     if not args.repeat_fraction:
-        return {"server": list(args.server_arg)}
-    cache = ["--embedding-cache-size", str(args.texts)]
-    return {
-        "shared": [*args.server_arg, *cache],
-        "every input": [*args.server_arg, "--disable-shared-work"],
-    }
+        servers = {"server": (list(args.server_arg), None)}
+    else:
+        cache = ["--embedding-cache-size", str(args.texts)]
+        servers = {
+            "shared": ([*args.server_arg, *cache], None),
+            "every input": ([*args.server_arg, "--disable-shared-work"], None),
+        }
+    for variant in args.variant:
+        name, _, assignments = variant.partition(":")
+        env = dict(item.split("=", 1) for item in assignments.split(",") if item)
+        servers[name] = (list(args.server_arg), env)
+    return servers
 
 
 def _round(
@@ -271,7 +288,10 @@ def _round(
     offline_cpu_ms = (_cpu_seconds() - cpu_start) / len(texts) * 1000
     rates = {"offline": len(texts) / offline_s}
     line = [f"offline {rates['offline']:7.1f} texts/s (cpu {offline_cpu_ms:.2f} ms/text)"]
-    for name, (url, pid) in servers.items():
+    # The servers' order alternates between rounds too (A B, then B A): neither always runs
+    # right after the offline side.
+    order = list(servers.items())
+    for name, (url, pid) in order[::-1] if seed % 2 else order:
         server_cpu_start = process_cpu_seconds(pid)
         load = run_server_side(url, texts, requests, args.clients, args.client)
         server_cpu_ms = (process_cpu_seconds(pid) - server_cpu_start) / len(texts) * 1000
@@ -304,8 +324,8 @@ def main() -> None:
           f"{args.client} clients; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")  # fmt: skip
     with ExitStack() as stack:
         servers = {
-            name: stack.enter_context(running_server_process(MODEL, server_args))
-            for name, server_args in _servers(args).items()
+            name: stack.enter_context(running_server_process(MODEL, server_args, env))
+            for name, (server_args, env) in _servers(args).items()
         }
         llm = LLM(MODEL)
         llm.embed(texts[:16], use_tqdm=False)  # warm-up every side
@@ -316,6 +336,10 @@ def main() -> None:
     for name in servers:
         ratio = statistics.median(r[name] / r["offline"] for r in rounds)
         print(f"median {name}/offline over {args.rounds} rounds: {ratio:.3f}x (target >= 0.9x)")
+    first = next(iter(servers))
+    for name in [v.partition(":")[0] for v in args.variant]:
+        ratio = statistics.median(r[name] / r[first] for r in rounds)
+        print(f"median {name}/{first} over {args.rounds} rounds: {ratio:.3f}x")
     if args.repeat_fraction:
         ratio = statistics.median(r["shared"] / r["every input"] for r in rounds)
         print(f"median shared/every input: {ratio:.3f}x (target >= 1.6x at 0.5 repeated)")

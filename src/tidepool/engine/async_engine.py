@@ -6,7 +6,7 @@
       tokenize ── tokenizer thread (run_in_executor)
       inbox.put(_Submit(group)) ──────────────────────▶  add_request × n
       await group.future                                 step(): the requests of every caller
-         ◀── loop.call_soon_threadsafe(set_result) ────  that arrived meanwhile share the step
+         ◀── call_soon_threadsafe(a step's answers) ────  that arrived meanwhile share the step
       cancelled (client gone) → inbox.put(_Abort) ────▶  abort_request × (unfinished of n)
 
 Dynamic batching needs no timer: while a step runs, new requests queue in the inbox, and the next
@@ -58,7 +58,9 @@ from tidepool.engine.generation_stream import (
     GenerationStream,
     PoolingGroup,
     PoolingSubmission,
+    Resolution,
     StreamGroup,
+    deliver,
 )
 from tidepool.engine.input_processor import InputProcessor
 from tidepool.engine.llm_engine import (
@@ -164,6 +166,7 @@ class AsyncEngine:
         self.stats = AsyncEngineStats()
         self._step_listeners: list[Callable[[StepRecord], None]] = []
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._outbox: list[Resolution] = []  # a step's pooling answers, delivered together
         # Prompts are tokenized on INPUT_WORKERS threads: the InputProcessor holds no shared
         # mutable state, and the Rust tokenizer releases the GIL, so one request's long texts do
         # not hold up the next. The Hugging Face tokenizer itself (/tokenize, chat templates,
@@ -377,7 +380,7 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineClosedError(f"the engine has stopped after an internal error: {self._dead}")
         num_tokens = self._reserve_tokens(requests)
-        group = PoolingGroup(requests, asyncio.get_running_loop())
+        group = PoolingGroup(requests, asyncio.get_running_loop(), self._outbox)
         if num_tokens:
             group.future.add_done_callback(lambda _: self._release_tokens(num_tokens))
         self._inbox.put(_Submit(group))
@@ -473,11 +476,14 @@ class AsyncEngine:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
+                deliver(self._outbox)
                 return
             if isinstance(command, _Submit):
                 command.group.fail(EngineClosedError(str(exc)))
 
     def _publish(self) -> None:
+        """Deliver the answers of what just ran, then sample the counters."""
+        deliver(self._outbox)
         scheduler = self._engine.core.scheduler
         self.stats.num_unfinished_requests = self._engine.num_unfinished_requests
         self.stats.num_waiting_requests = scheduler.num_waiting

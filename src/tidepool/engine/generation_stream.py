@@ -32,15 +32,29 @@ class GenerationInput:
     """CompletionOutput.index of its outputs (the server's choice index)."""
 
 
-class PoolingGroup:
-    """The requests of one caller, resolved once: when all have finished, or when one failed."""
+Resolution = tuple[asyncio.AbstractEventLoop, asyncio.Future, Any, BaseException | None]
+"""A PoolingGroup's answer waiting for its delivery: the loop, the future, result, failure."""
 
-    def __init__(self, requests: list[Request], loop: asyncio.AbstractEventLoop) -> None:
+
+class PoolingGroup:
+    """The requests of one caller, resolved once: when all have finished, or when one failed.
+
+    With an `outbox` (the AsyncEngine's), the answer is appended there and the engine thread
+    delivers a step's answers together (`deliver`: one wake-up of the event loop, not one per
+    caller); without, it is handed to the loop at once."""
+
+    def __init__(
+        self,
+        requests: list[Request],
+        loop: asyncio.AbstractEventLoop,
+        outbox: list[Resolution] | None = None,
+    ) -> None:
         self.requests = requests
         self.loop = loop
         self.future: asyncio.Future[list[PoolingRequestOutput]] = loop.create_future()
         self.outputs: dict[str, PoolingRequestOutput] = {}
         self.done = False
+        self.outbox = outbox
 
     # The methods below run on the engine thread (the driver's OutputSink).
 
@@ -61,10 +75,33 @@ class PoolingGroup:
         if self.done:
             return
         self.done = True
+        if self.outbox is not None:
+            self.outbox.append((self.loop, self.future, result, exc))
+            return
         try:
             self.loop.call_soon_threadsafe(_set_future, self.future, result, exc)
         except RuntimeError:  # the event loop is closed: nobody is waiting any more
             pass
+
+
+def deliver(outbox: list[Resolution]) -> None:
+    """Hand the answers in `outbox` to their event loops, one call per loop; empties it."""
+    if not outbox:
+        return
+    by_loop: dict[asyncio.AbstractEventLoop, list[Resolution]] = {}
+    for resolution in outbox:
+        by_loop.setdefault(resolution[0], []).append(resolution)
+    outbox.clear()
+    for loop, resolutions in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_futures, resolutions)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+
+def _set_futures(resolutions: list[Resolution]) -> None:
+    for _, future, result, exc in resolutions:
+        _set_future(future, result, exc)
 
 
 class PoolingSubmission:

@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from tidepool.entrypoints.openai.errors import ApiError, HttpError, http_error
+from tidepool.entrypoints.openai.fast_routes import mark_fast
 from tidepool.entrypoints.openai.protocol_cohere import CohereEmbedRequest
 from tidepool.entrypoints.openai.served_models import ServedModels
 from tidepool.entrypoints.openai.serving_tei import TEI_ROUTES, TeiRoute, TeiServing
@@ -107,6 +108,7 @@ def add_route(
         return await serve(raw_request, work())
 
     route.__name__ = "route_" + path.strip("/").replace("/", "_")
+    mark_fast(route, route)  # it reads its own body: FastAPI adds nothing to it
     app.post(path)(route)
 
 
