@@ -15,19 +15,30 @@ from __future__ import annotations
 
 from torch import nn
 
-from tidepool.models.layers.int8_linear import Int8Linear
+from tidepool.models.bert import BertSelfAttention
+from tidepool.models.layers.int8_linear import Int8Linear, Scratch
 
 
 def link_handoffs(model: nn.Module) -> int:
-    """Link the producer → consumer pairs of `model`'s int8 layers; returns how many."""
+    """Link the producer → consumer pairs of `model`'s int8 layers; returns how many. Also gives
+    the layers whose output is read by one module only, right after (a BERT layer's fused QKV:
+    the attention; FFN up: FFN down), one reused output buffer per role and model."""
     links = 0
+    qkv_scratch, up_scratch = Scratch(), Scratch()
     for module in model.modules():
         layers = getattr(module, "layer", None)
         if isinstance(layers, nn.ModuleList):
             for i, layer in enumerate(layers):
                 up = _at(layer, "intermediate.dense")
                 links += _link(_at(layer, "attention.output.dense"), up)
-                links += _link(up, _at(layer, "output.dense"))
+                if _link(up, _at(layer, "output.dense")):
+                    links += 1
+                    up.use_scratch(up_scratch)  # type: ignore[union-attr]
+                attention = _at(layer, "attention.self")
+                if isinstance(attention, BertSelfAttention) and isinstance(
+                    attention.qkv, Int8Linear
+                ):
+                    attention.qkv.use_scratch(qkv_scratch)
                 if i + 1 < len(layers):
                     links += _link(
                         _at(layer, "output.dense"), _at(layers[i + 1], "attention.self.qkv")
