@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidepool.worker.model_runner import SINGLE_THREAD_MAX_TOKENS, _threads_for_step
+from tidepool.worker.model_runner import (
+    SINGLE_THREAD_MAX_TOKENS,
+    SINGLE_THREAD_MAX_TOKENS_QUANTIZED,
+    _threads_for_step,
+)
 
 
 @pytest.fixture
@@ -35,4 +39,13 @@ def test_large_steps_and_other_devices_keep_all_threads(two_threads):
     with _threads_for_step(SINGLE_THREAD_MAX_TOKENS[torch.float32] + 1, torch.float32, cpu):
         assert torch.get_num_threads() == 2
     with _threads_for_step(4, torch.bfloat16, torch.device("meta")):
+        assert torch.get_num_threads() == 2
+
+
+def test_quantized_steps_use_their_own_limit(two_threads):
+    cpu = torch.device("cpu")
+    limit = SINGLE_THREAD_MAX_TOKENS_QUANTIZED["int8"]
+    with _threads_for_step(limit, torch.float32, cpu, quantization="int8"):
+        assert torch.get_num_threads() == 1
+    with _threads_for_step(limit + 1, torch.float32, cpu, quantization="int8"):
         assert torch.get_num_threads() == 2

@@ -41,15 +41,35 @@ CAUSAL_MAX_PAD_FRACTION = 0.25
 # the other OpenMP threads (they sleep between ops under OMP_WAIT_POLICY=PASSIVE) costs more
 # than it saves. Measured on the 2-core machine, MiniLM, one text, p50 of 2 threads vs 1: bf16
 # 8 tokens 9.0 vs 5.0 ms, 32 tokens 9.8 vs 5.7-6.1, 64 tokens 11.9 vs 8.6, 128 tokens 14.6 vs
-# 12.0, 252 tokens 21.0 vs 21.5; float32 8 tokens 11.4 vs 9.1, 32 tokens 13.3 vs 14.1-15.2,
-# 64 tokens 16.6 vs 19.5. Switching costs ~0.3 us.
-SINGLE_THREAD_MAX_TOKENS = {torch.float32: 16, torch.bfloat16: 192, torch.float16: 192}
+# 12.0, 252 tokens 21.0 vs 21.5. float32 and int8 (docs/performance.md, "One short text"; the
+# two sides alternating in one process, load 2.5-6.5): float32 32 tokens 7.8 vs 7.1 ms (load
+# 2.5), 19.1-20.0 vs 16.4-16.9 (load 6.5), 64 tokens 1.04x for 1 thread, 128 tokens tied (0.97-
+# 1.11x); int8 32 tokens 1.19-1.36x for 1 thread, 64 tokens 1.16-1.19x, 128 1.09-1.11x.
+# Switching costs ~0.3 us.
+SINGLE_THREAD_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 192, torch.float16: 192}
+SINGLE_THREAD_MAX_TOKENS_QUANTIZED = {"int8": 96}
+"""The same limit for a quantized model (its dtype is float32: the activations' dtype)."""
+
+
+def single_thread_max_tokens(dtype: torch.dtype, quantization: str | None = None) -> int:
+    if quantization is not None:
+        return SINGLE_THREAD_MAX_TOKENS_QUANTIZED.get(quantization, 0)
+    return SINGLE_THREAD_MAX_TOKENS.get(dtype, 0)
 
 
 @contextlib.contextmanager
-def _threads_for_step(num_tokens: int, dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+def _threads_for_step(
+    num_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+) -> Iterator[None]:
     threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1 or num_tokens > SINGLE_THREAD_MAX_TOKENS.get(dtype, 0):
+    if (
+        device.type != "cpu"
+        or threads == 1
+        or num_tokens > single_thread_max_tokens(dtype, quantization)
+    ):
         yield
         return
     torch.set_num_threads(1)
@@ -134,7 +154,10 @@ class ModelRunner:
         self.memory.after_step()
         if self.kv_cache_config is None:
             num_tokens = sum(r.num_prompt_tokens for r in sched_out.scheduled)
-            with _threads_for_step(num_tokens, self.config.model.dtype, self.device):
+            model_config = self.config.model
+            with _threads_for_step(
+                num_tokens, model_config.dtype, self.device, model_config.quantization
+            ):
                 return ModelRunnerOutput(pooled=self._execute_encoder(sched_out))
         self.states.update(sched_out)
         if sched_out.is_empty:

@@ -63,21 +63,35 @@ def _pool_last(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
     return hidden.index_select(0, meta.cu_seqlens[1:] - 1)
 
 
+def _membership(meta: PoolingMetadata, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """[num_seqs, num_tokens] float32, 1 where the token belongs to the sequence.
+
+    Built from cu_seqlens with two comparisons (~10 us) rather than a scatter of per-token
+    sequence ids (~30 us: a repeat_interleave, a zeros and an index_put); one sequence is all
+    ones. The matrix, and so the GEMM's result, is the same either way.
+    """
+    if meta.num_seqs == 1:
+        return torch.ones(1, num_tokens, dtype=torch.float32, device=device)
+    tokens = torch.arange(num_tokens, device=device)
+    cu = meta.cu_seqlens
+    return ((tokens >= cu[:-1, None]) & (tokens < cu[1:, None])).to(torch.float32)
+
+
 def _segment_sums(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
     """Per-sequence sums of the flat rows, float32: [num_seqs, hidden].
 
     One GEMM with a [num_seqs, num_tokens] 0/1 membership matrix. index_add_ (a scatter) took
     20-90 ms per 4,096-token step on this CPU; the GEMM takes about 1 ms.
     """
-    num_tokens = hidden.shape[0]
-    membership = torch.zeros(meta.num_seqs, num_tokens, dtype=torch.float32, device=hidden.device)
-    membership[_seq_ids(meta, hidden.device), torch.arange(num_tokens, device=hidden.device)] = 1.0
-    return membership @ hidden.float()
+    return _membership(meta, hidden.shape[0], hidden.device) @ hidden.float()
 
 
 def _pool_mean(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    sums = _segment_sums(hidden, meta)
+    if meta.num_seqs == 1:  # the same division, without building a lengths tensor
+        return sums.div_(meta.seq_lens[0])
     lens = torch.tensor(meta.seq_lens, device=hidden.device, dtype=torch.float32)
-    return _segment_sums(hidden, meta) / lens[:, None]
+    return sums.div_(lens[:, None])
 
 
 def _pool_max(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
@@ -226,6 +240,8 @@ class Pooler(nn.Module):
                 strict=True,
             ):
                 outputs[i] = out
+        if len(seq_rows) == meta.num_seqs:
+            return outputs  # type: ignore[return-value]
         cu = meta.cu_seqlens.tolist()
         for i, p in enumerate(meta.params):
             token_pooler = self._token_pooler(p)
