@@ -43,3 +43,24 @@ def test_links_skip_the_quantizer_and_change_nothing(tiny_model_path, monkeypatc
     unlinked = _vectors(llm)
     assert len(calls) == len(layers)
     assert torch.equal(linked, unlinked)
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_row_blocks_and_reused_buffers_change_nothing(kind: str, tiny_model_path) -> None:
+    """With blocks of 8 rows every layer writes into its reused buffer (the tiny model's steps
+    are far below the real block size): the vectors are the same bits as in one block, and a
+    first call's token vectors survive a second call (the model's own output is never one of the
+    reused buffers)."""
+    llm = LLM(str(tiny_model_path(kind)), quantization="int8")
+    layers = [
+        m for m in llm.engine.model_runner.model.modules() if isinstance(m, Int8Linear)
+    ]
+    assert sum("_scratch" in m.__dict__ for m in layers) == len(layers) - 1  # not the last
+    whole = _vectors(llm)
+    for m in layers:
+        m._block_rows = 8
+    tokens = llm.encode(TEXTS[1], pooling_task="token_embed")[0].outputs.data.clone()
+    assert torch.equal(_vectors(llm), whole)
+    kept = llm.encode(TEXTS[1], pooling_task="token_embed")[0].outputs.data
+    llm.encode(TEXTS[2], pooling_task="token_embed")
+    assert torch.equal(kept, tokens)

@@ -25,6 +25,7 @@ def link_handoffs(model: nn.Module) -> int:
     the attention; FFN up: FFN down), one reused output buffer per role and model."""
     links = 0
     qkv_scratch, up_scratch = Scratch(), Scratch()
+    _residual_stream_scratch(model)
     for module in model.modules():
         layers = getattr(module, "layer", None)
         if isinstance(layers, nn.ModuleList):
@@ -46,6 +47,25 @@ def link_handoffs(model: nn.Module) -> int:
         up = getattr(module, "wi_1", None) or getattr(module, "wi", None)
         links += _link(up, getattr(module, "wo", None))
     return links
+
+
+def _residual_stream_scratch(model: nn.Module) -> None:
+    """The residual stream of a post-LN layer stack takes two buffers in turn: layer i's
+    attention output (read by its FFN up and FFN down) and its FFN down output (read by layer
+    i + 1) are both dead when layer i + 1 writes the same buffers. The last layer's FFN down keeps
+    fresh tensors: the model returns them."""
+    for module in model.modules():
+        layers = getattr(module, "layer", None)
+        if not isinstance(layers, nn.ModuleList):
+            continue
+        attention_out, ffn_out = Scratch(), Scratch()
+        for i, layer in enumerate(layers):
+            linear = _at(layer, "attention.output.dense")
+            if isinstance(linear, Int8Linear):
+                linear.use_scratch(attention_out)
+            linear = _at(layer, "output.dense")
+            if isinstance(linear, Int8Linear) and i + 1 < len(layers):
+                linear.use_scratch(ffn_out)
 
 
 def _at(module: nn.Module, path: str) -> nn.Module | None:
