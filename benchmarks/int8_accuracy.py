@@ -1,12 +1,16 @@
 """How close `quantization="int8"` stays to float32: cosine per text and top-10 retrieval overlap.
 
-On the fixed corpus (benchmarks/corpus.py, seed 0), each text embedded by tidepool in float32
-and in int8 (and bfloat16 for scale): the min / mean cosine of a text's int8 vector to its float32
+On the fixed corpus (benchmarks/corpus.py; one text set per `--seeds` entry), each text embedded
+by tidepool in float32 and by each int8 variant (VARIANTS: a recipe for `quantize_model`, run by
+tidepool's Int8Linear or by a simulated activation quantizer, int8_simulate.py), quantized in
+place in one float32 engine (and bfloat16 for scale): the min / mean cosine of a text's int8 vector to its float32
 one, and the top-10 nearest-neighbour overlap: for each text as a query against all the others,
 the share of its 10 nearest neighbours (cosine) under int8 that are also its 10 nearest under
 float32. Issue 17's targets on all-MiniLM-L6-v2: cos mean >= 0.995, min >= 0.99, overlap >= 0.95.
 
-    python benchmarks/int8_accuracy.py [--model PATH] [--texts 1000] [--bf16]
+    python benchmarks/int8_accuracy.py [--model PATH] [--texts 1000] [--seeds 0,1]
+        [--variants nearest,gptq,gptq-asym] [--only REGEX] [--alpha A] [--smoothed SUFFIXES]
+        [--damping D] [--clip] [--random-per-text N] [--asym-inputs none|one_sided|all] [--bf16]
 """
 
 from __future__ import annotations
