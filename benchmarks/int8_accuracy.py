@@ -165,6 +165,7 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, help="override the SmoothQuant alpha")
     parser.add_argument("--damping", type=float, help="override GPTQ's damping")
     parser.add_argument("--random-per-text", type=int, default=1, help="calibration's random ids")
+    parser.add_argument("--input-noise", action="store_true", help="GPTQ: noise-aware Xᵀ X")
     parser.add_argument("--clip", action="store_true", help="GPTQ with the clipping search")
     parser.add_argument("--asym-inputs", help="override asymmetric_inputs (plan inputs)")
     parser.add_argument("--smoothed", help="override the smoothed linears (comma suffixes)")
@@ -180,6 +181,8 @@ def main() -> None:
         overrides["smoothing_alpha"] = args.alpha
     if args.damping is not None:
         overrides["gptq_damping"] = args.damping
+    if args.input_noise:
+        overrides["gptq_input_noise"] = True
     if args.clip:
         overrides["clip_search"] = True
     if args.asym_inputs is not None:
