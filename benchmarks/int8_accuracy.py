@@ -1,27 +1,42 @@
 """How close `quantization="int8"` stays to float32: cosine per text and top-10 retrieval overlap.
 
-On the fixed corpus (benchmarks/corpus.py, seed 0), each text embedded by tidepool in float32
-and in int8 (and bfloat16 for scale): the min / mean cosine of a text's int8 vector to its float32
+On the fixed corpus (benchmarks/corpus.py; one text set per `--seeds` entry), each text embedded
+by tidepool in float32 and by each int8 variant (VARIANTS: a recipe for `quantize_model`, run by
+tidepool's Int8Linear or by a simulated activation quantizer, int8_simulate.py), quantized in
+place in one float32 engine (and bfloat16 for scale): the min / mean cosine of a text's int8 vector to its float32
 one, and the top-10 nearest-neighbour overlap: for each text as a query against all the others,
 the share of its 10 nearest neighbours (cosine) under int8 that are also its 10 nearest under
 float32. Issue 17's targets on all-MiniLM-L6-v2: cos mean >= 0.995, min >= 0.99, overlap >= 0.95.
 
-    python benchmarks/int8_accuracy.py [--model PATH] [--texts 1000] [--bf16]
+    python benchmarks/int8_accuracy.py [--model PATH] [--texts 1000] [--seeds 0,1]
+        [--variants nearest,gptq,gptq-asym] [--only REGEX] [--alpha A] [--smoothed SUFFIXES]
+        [--damping D] [--clip] [--random-per-text N] [--asym-inputs none|one_sided|all] [--bf16]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from corpus import make_corpus  # noqa: E402
+from int8_simulate import simulated_builder  # noqa: E402
 
 from tidepool import LLM  # noqa: E402
+from tidepool.models import quantization  # noqa: E402
+from tidepool.models.layers.linear import Linear  # noqa: E402
+from tidepool.models.quantization import (  # noqa: E402
+    Int8Recipe,
+    build_int8_linear,
+    calibration_sequences,
+    quantize_model,
+)
 
 
 @dataclass(frozen=True)
@@ -57,25 +72,151 @@ def agreement(vectors: torch.Tensor, reference: torch.Tensor, k: int = 10) -> Ag
     return Agreement(float(cos.min()), float(cos.mean()), shared / ours.numel())
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One way to quantize: the recipe, and which layers build it (real or simulated)."""
+
+    recipe: Int8Recipe
+    """What `quantize_model` plans."""
+    weights: str = "int8"
+    """Simulated layers' weights: "int8" (the plan's) or "float"."""
+    inputs: str | None = None
+    """None: tidepool's Int8Linear (the real kernel); else the simulated activation quantizer:
+    "plan", "symmetric", "asymmetric" or "float" (int8_simulate.py)."""
+
+
+NEAREST = Int8Recipe(weight_rounding="nearest")
+VARIANTS = {
+    # Round to nearest, symmetric per token (the first shipped recipe), real kernel / simulated.
+    "nearest": Variant(NEAREST),
+    "nearest-sim": Variant(NEAREST, inputs="symmetric"),
+    "nearest-weights-only": Variant(NEAREST, inputs="float"),
+    "float-weights-sym": Variant(NEAREST, weights="float", inputs="symmetric"),
+    "float-weights-asym": Variant(NEAREST, weights="float", inputs="asymmetric"),
+    "float-weights-asym-one-sided": Variant(
+        Int8Recipe(asymmetric_inputs="one_sided"), weights="float", inputs="plan"
+    ),
+    "nearest-asym": Variant(NEAREST, inputs="asymmetric"),
+    # GPTQ weights.
+    "gptq": Variant(Int8Recipe()),
+    "gptq-weights-only": Variant(Int8Recipe(), inputs="float"),
+    "gptq-asym-one-sided": Variant(Int8Recipe(asymmetric_inputs="one_sided"), inputs="plan"),
+    "gptq-asym": Variant(Int8Recipe(), inputs="asymmetric"),
+    "gptq-plan": Variant(Int8Recipe(), inputs="plan"),
+    "float-weights-plan": Variant(Int8Recipe(), weights="float", inputs="plan"),
+}
+
+
+@dataclass(frozen=True)
+class TextSet:
+    """A corpus sample and its float32 vectors."""
+
+    seed: int
+    """The corpus seed."""
+    texts: list[str]
+    """The texts."""
+    reference: torch.Tensor
+    """Their float32 vectors."""
+
+
+def _measure(
+    llm: LLM,
+    variant: Variant,
+    overrides: dict,
+    sets: list[TextSet],
+    only: str | None,
+    random_per_text: int = 1,
+) -> list:
+    """Quantize the float32 model in place by `variant` (only the linears whose name matches
+    the regex `only`, when given), return (load seconds, check, agreements per set), and put
+    the float32 layers back."""
+    model = llm.engine.model_runner.model
+    originals = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    config = llm.model_config
+    sequences = calibration_sequences(
+        Path(config.path),
+        config.max_model_len,
+        config.hf_config.vocab_size,
+        random_per_text=random_per_text,
+    )
+    build = build_int8_linear
+    if variant.inputs is not None:
+        build = simulated_builder(variant.weights, variant.inputs)
+    recipe = replace(variant.recipe, **overrides)
+    start = time.perf_counter()
+    check = quantize_model(model, sequences, recipe, build)
+    seconds = time.perf_counter() - start
+    for name, linear in originals.items():
+        if only is not None and not re.search(only, name):
+            quantization._set_submodule(model, name, linear)
+    try:
+        return [seconds, check] + [agreement(embed(llm, s.texts), s.reference) for s in sets]
+    finally:
+        for name, linear in originals.items():
+            quantization._set_submodule(model, name, linear)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
     parser.add_argument("--texts", type=int, default=1000)
+    parser.add_argument("--seeds", default="0,1", help="corpus seeds: one text set each")
+    parser.add_argument("--variants", default="gptq", help=", ".join(VARIANTS))
+    parser.add_argument("--alpha", type=float, help="override the SmoothQuant alpha")
+    parser.add_argument("--damping", type=float, help="override GPTQ's damping")
+    parser.add_argument("--random-per-text", type=int, default=1, help="calibration's random ids")
+    parser.add_argument("--input-noise", action="store_true", help="GPTQ: noise-aware Xᵀ X")
+    parser.add_argument("--clip", action="store_true", help="GPTQ with the clipping search")
+    parser.add_argument("--asym-inputs", help="override asymmetric_inputs (plan inputs)")
+    parser.add_argument("--smoothed", help="override the smoothed linears (comma suffixes)")
+    parser.add_argument(
+        "--only",
+        help="quantize only the linears matching this regex, e.g. 'attention\\.self\\.qkv', "
+        "'attention\\.output', 'intermediate', 'layer\\.\\d+\\.output'",
+    )
     parser.add_argument("--bf16", action="store_true", help="also bfloat16, for scale")
     args = parser.parse_args()
-    texts = make_corpus(args.texts)
-    reference = embed(LLM(model=args.model), texts)
-    modes = {"int8": {"quantization": "int8"}}
+    overrides = {}
+    if args.alpha is not None:
+        overrides["smoothing_alpha"] = args.alpha
+    if args.damping is not None:
+        overrides["gptq_damping"] = args.damping
+    if args.input_noise:
+        overrides["gptq_input_noise"] = True
+    if args.clip:
+        overrides["clip_search"] = True
+    if args.asym_inputs is not None:
+        overrides["asymmetric_inputs"] = args.asym_inputs
+    if args.smoothed is not None:
+        overrides["smoothed_linears"] = tuple(x for x in args.smoothed.split(",") if x)
+    llm = LLM(model=args.model)
+    sets = []
+    for seed in (int(x) for x in args.seeds.split(",")):
+        texts = make_corpus(args.texts, seed=seed)
+        sets.append(TextSet(seed, texts, embed(llm, texts)))
+    print(
+        f"{args.model}, {args.texts} corpus texts per seed, against tidepool float32; {overrides}"
+    )
+    header = "".join(f" | seed {s.seed}: cos min, mean, top-10" for s in sets)
+    print(f"{'variant':30} {'load s':>6} {'check min':>9}{header}")
     if args.bf16:
-        modes["bfloat16"] = {"dtype": "bfloat16"}
-    print(f"{args.model}, {len(texts)} corpus texts, against tidepool float32")
-    print(f"{'mode':10} {'cos min':>9} {'cos mean':>9} {'top-10 overlap':>15}")
-    for name, kwargs in modes.items():
-        result = agreement(embed(LLM(model=args.model, **kwargs), texts), reference)
-        print(
-            f"{name:10} {result.min_cosine:9.5f} {result.mean_cosine:9.5f} "
-            f"{result.top10_overlap:15.4f}"
+        bf16 = LLM(model=args.model, dtype="bfloat16")
+        _print_row(
+            "bfloat16", 0.0, None, [agreement(embed(bf16, s.texts), s.reference) for s in sets]
         )
+    for name in args.variants.split(","):
+        seconds, check, *results = _measure(
+            llm, VARIANTS[name], overrides, sets, args.only, args.random_per_text
+        )
+        _print_row(name, seconds, check, results)
+
+
+def _print_row(name: str, seconds: float, check, results: list[Agreement]) -> None:
+    cells = "".join(
+        f" | {r.min_cosine:.5f} {r.mean_cosine:.5f} {r.top10_overlap:.4f}" for r in results
+    )
+    check_min = f"{check.min_cosine:9.5f}" if check is not None else " " * 9
+    print(f"{name:30} {seconds:6.2f} {check_min}{cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,9 +52,7 @@ def test_row_blocks_and_reused_buffers_change_nothing(kind: str, tiny_model_path
     first call's token vectors survive a second call (the model's own output is never one of the
     reused buffers)."""
     llm = LLM(str(tiny_model_path(kind)), quantization="int8")
-    layers = [
-        m for m in llm.engine.model_runner.model.modules() if isinstance(m, Int8Linear)
-    ]
+    layers = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, Int8Linear)]
     assert sum("_scratch" in m.__dict__ for m in layers) == len(layers) - 1  # not the last
     whole = _vectors(llm)
     for m in layers:

@@ -1,0 +1,128 @@
+"""Choosing a linear's int8 weights: one symmetric scale per output channel, and the int8 values.
+
+Round to nearest (`round_to_nearest`) quantizes each weight alone. GPTQ (`gptq`, Frantar et al.
+2022) keeps the same grid but rounds the input columns one at a time and spreads each column's
+rounding error over the columns not yet rounded, weighted by the calibration inputs' second
+moments H = Xᵀ X: it minimises ‖X Wᵀ - X Qᵀ‖² (the layer's output error on inputs like the
+sample), not ‖W - Q‖². Worked example, two inputs that always move together (x₁ = x₂): rounding
+w₁ up by e is undone by rounding w₂ down by e, so the output is exact where round to nearest
+would have doubled the error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+# A channel of zeros gets this scale instead of 0 (its int8 values are 0 either way).
+_MIN_SCALE = 1e-12
+# Columns are rounded in blocks: the error of a block reaches the later columns in one GEMM.
+_GPTQ_BLOCK = 128
+CLIP_RATIOS = tuple(1.0 - 0.02 * i for i in range(16))
+"""The clipping search's candidates, times a channel's abs-max (1.0 first: no clipping)."""
+
+
+def channel_scales(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] → [N]: each output channel's abs-max to 127."""
+    return weight.abs().amax(dim=1).clamp_(min=_MIN_SCALE) / 127.0
+
+
+def clipped_channel_scales(weight: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+    """weight [N, K], importance [K] (diag Xᵀ X) → [N]: each channel's scale among abs-max ·
+    CLIP_RATIOS / 127, the one with the least importance-weighted rounding error
+    Σ_k importance_k · (w_nk - s · round(w_nk / s))² (clipping the largest weights buys a finer
+    step for all the others)."""
+    amax = weight.abs().amax(dim=1).clamp_(min=_MIN_SCALE)
+    best_scale, best_error = amax / 127.0, None
+    for ratio in CLIP_RATIOS:
+        scale = amax * (ratio / 127.0)
+        rounded = torch.round(weight / scale[:, None]).clamp_(-127, 127) * scale[:, None]
+        error = ((weight - rounded).square() * importance).sum(dim=1)
+        if best_error is None:
+            best_error = error
+            continue
+        better = error < best_error
+        best_scale = torch.where(better, scale, best_scale)
+        best_error = torch.where(better, error, best_error)
+    return best_scale
+
+
+def round_to_nearest(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] → (int8 [N, K], scale [N] float32), each value rounded alone."""
+    w = weight.detach().float()
+    scale = channel_scales(w)
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def input_second_moments(x: torch.Tensor) -> torch.Tensor:
+    """Inputs [T, K] → Xᵀ X [K, K] in float64 (summed over batches, it stays exact enough)."""
+    x = x.detach().reshape(-1, x.shape[-1]).double()
+    return x.T @ x
+
+
+def gptq(
+    weight: torch.Tensor, hessian: torch.Tensor, damping: float = 0.01, clip: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K], hessian Xᵀ X [K, K] of the calibration inputs → (int8 [N, K], scale [N]):
+    round-to-nearest's per-channel scales, values chosen by GPTQ.
+
+    `damping` (times the mean diagonal, added to it) keeps H invertible when the sample has
+    fewer tokens than K and bounds how far one column's error is pushed onto the others.
+    Columns are visited largest H_kk first (the inputs that carry the most energy get rounded
+    while the most columns are left to absorb their error)."""
+    with _one_thread():
+        return _gptq(weight.detach().float(), hessian.float(), damping, clip)
+
+
+def _gptq(
+    weight: torch.Tensor, hessian: torch.Tensor, damping: float, clip: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = clipped_channel_scales(weight, hessian.diagonal()) if clip else channel_scales(weight)
+    h = hessian.clone()
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    order = torch.argsort(h.diagonal(), descending=True)
+    h = h[order][:, order]
+    h.diagonal().add_(damping * h.diagonal().mean())
+    # Upper Cholesky factor of H⁻¹: row k holds how column k's error spreads to the later ones.
+    h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    # wt [K, N]: input column k of the weight is row k here, contiguous for the row updates.
+    wt = weight.T[order].contiguous()
+    wt[dead[order]] = 0.0
+    qt = torch.empty_like(wt)
+    for start in range(0, wt.shape[0], _GPTQ_BLOCK):
+        end = min(start + _GPTQ_BLOCK, wt.shape[0])
+        errors = _gptq_block(wt[start:end], qt[start:end], scale, h_inv[start:end, start:end])
+        wt[end:] -= h_inv[start:end, end:].T @ errors
+    q = torch.empty_like(qt)
+    q[order] = qt
+    return q.T.contiguous().to(torch.int8), scale
+
+
+def _gptq_block(
+    block: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h_inv: torch.Tensor
+) -> torch.Tensor:
+    """Round the rows (input columns) of `block` [B, N] into `q` (integer values), each row's
+    error pushed onto the block's later rows by `h_inv` [B, B]; returns the scaled errors
+    [B, N] for the rows after the block."""
+    errors = torch.empty_like(block)
+    for i in range(block.shape[0]):
+        rounded = torch.round(block[i] / scale).clamp_(-127, 127)
+        q[i] = rounded
+        errors[i] = (block[i] - rounded * scale) / h_inv[i, i]
+        block[i + 1 :] -= h_inv[i, i + 1 :, None] * errors[i][None, :]
+    return errors
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """GPTQ's loop is thousands of small ops: on one thread each is ~10x faster than on two
+    (measured; two threads wait on each other whenever the machine is busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
