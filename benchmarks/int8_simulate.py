@@ -83,6 +83,11 @@ class SimulatedInt8Linear(nn.Module):
             y = self._act(y)
         return combine(y.view(*lead, self.out_features), multiply, residual)
 
+    def forward_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> torch.Tensor:
+        return norm(self(x, residual=residual))
+
 
 def simulated_builder(weights: str, inputs: str) -> Int8Builder:
     """A `quantize_model` builder: `weights` "int8" (the plan's) or "float" (float32, smoothed

@@ -77,3 +77,16 @@ def test_asymmetric_per_token_reference() -> None:
     assert float(restored[1].abs().max()) == 0.0
     # Finer than symmetric int8 on a one-sided row: (max - min) / 255 vs max |x| / 127.
     assert float(scale[0, 0]) < 0.6 * float(x[0].abs().max() / 127.0)
+
+
+def test_upper_cholesky_of_inverse_matches_the_three_step_form() -> None:
+    from tidepool.models.quantization_weights import upper_cholesky_of_inverse
+
+    torch.manual_seed(0)
+    x = torch.randn(500, 300, dtype=torch.float64)
+    h = x.T @ x + 0.1 * torch.eye(300, dtype=torch.float64)
+    u = upper_cholesky_of_inverse(h)
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    assert torch.equal(u, u.triu())
+    torch.testing.assert_close(u, ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(u.T @ u, torch.linalg.inv(h), rtol=1e-9, atol=1e-12)
