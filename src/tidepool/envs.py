@@ -43,7 +43,8 @@ def cpu_attention() -> str:
 
 
 def apply_openmp_defaults() -> bool:
-    """OMP_WAIT_POLICY: tidepool sets PASSIVE unless the user chose; returns whether it applies.
+    """OMP_WAIT_POLICY: tidepool sets PASSIVE with a short spin (SPIN_COUNT) unless the user
+    chose a policy; returns whether PASSIVE applies.
 
     With the default (spinning) policy, an OpenMP thread that waits at a barrier burns its core;
     when the machine is shared, the thread it waits for is then descheduled and every parallel
@@ -53,8 +54,19 @@ def apply_openmp_defaults() -> bool:
     """
     if "torch" in sys.modules:
         return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
     return os.environ["OMP_WAIT_POLICY"].upper() == "PASSIVE"
+
+
+SPIN_COUNT = 10_000
+"""GOMP_SPINCOUNT set with tidepool's PASSIVE default: a thread at a barrier spins this many
+rounds (microseconds) before it sleeps. Measured on the 2-core machine, 1,000 texts, alternating
+in separate processes: quiet, int8 MiniLM 27.5k → 32.4k tokens/s (+18%; libgomp's own default
+spin, `OMP_WAIT_POLICY=ACTIVE`, 32.9k), bfloat16 +9%; with three CPU burners beside it int8 lost
+10% and the 32-token p50 was unchanged, where libgomp's unbounded default cost 10x in p50 (the
+docstring above)."""
 
 
 def onednn_cache_capacity() -> int | str:
