@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from corpus import make_corpus  # noqa: E402
+from one_text import text_of_tokens  # noqa: E402
 
 MODES = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
 
@@ -51,7 +52,7 @@ def main() -> None:
             seconds[name].append(time.perf_counter() - start)
     print(f"{args.model}, {len(texts)} texts ({num_tokens} tokens), {args.threads} thread(s)")
     print(f"{'mode':10} {'tokens/s':>10} {'vs float32':>11} {'one 32-token text p50':>22}")
-    text32 = _text_of_tokens(tokenizer, 32)
+    text32 = text_of_tokens(tokenizer, 32)
     for name, llm in engines.items():
         ratio = statistics.median(
             f / s for f, s in zip(seconds["float32"], seconds[name], strict=True)
@@ -59,15 +60,6 @@ def main() -> None:
         p50 = _latency_p50(llm, text32, args.latency_calls)
         tokens_per_s = num_tokens / statistics.median(seconds[name])
         print(f"{name:10} {tokens_per_s:10.0f} {ratio:10.2f}x {p50 * 1e3:19.1f} ms")
-
-
-def _text_of_tokens(tokenizer, num_tokens: int) -> str:
-    words = make_corpus(50, seed=3)[0].split() * 20
-    for count in range(1, len(words)):
-        text = " ".join(words[:count])
-        if len(tokenizer(text)["input_ids"]) >= num_tokens:
-            return text
-    return " ".join(words)
 
 
 def _latency_p50(llm, text: str, calls: int) -> float:

@@ -15,7 +15,6 @@ CPU code), =native makes a failure an error.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from pathlib import Path
@@ -34,18 +33,7 @@ _state: dict[str, object] = {}
 
 
 def _compile() -> object:
-    from torch.utils.cpp_extension import load as load_extension
-
-    cpu_kernels._put_ninja_on_path()
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
-    load_extension(
-        name=f"tidepool_decoder_ops_{digest}",
-        sources=[str(_SOURCE)],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=["-fopenmp"],  # ATen's parallel_for runs on torch's OpenMP threads
-        is_python_module=False,
-        verbose=False,
-    )
+    cpu_kernels.build_extension(_SOURCE, "tidepool_decoder_ops", _CFLAGS)
     return torch.ops.tidepool_decoder
 
 

@@ -42,8 +42,9 @@ HEAD_DIMS = (32, 64, 128)
 # The op's own check is built from this constant (-DTIDEPOOL_MAX_SEQ_LEN).
 MAX_SEQ_LEN = 2048
 _DTYPES = (torch.float32, torch.bfloat16)
-# The source is compiled for AVX-512 (F/BW/DQ/VL); load() runs it only where the CPU has them.
-_CFLAGS = [
+# tidepool's sources are compiled for AVX-512 (F/BW/DQ/VL); build_or_fall_back runs them only
+# where the CPU has them.
+AVX512_CFLAGS = [
     "-O3",
     "-mavx512f",
     "-mavx512bw",
@@ -52,8 +53,8 @@ _CFLAGS = [
     "-mfma",
     "-std=c++17",
     "-fopenmp",
-    f"-DTIDEPOOL_MAX_SEQ_LEN={MAX_SEQ_LEN}",
 ]
+_CFLAGS = [*AVX512_CFLAGS, f"-DTIDEPOOL_MAX_SEQ_LEN={MAX_SEQ_LEN}"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -84,24 +85,29 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _compile() -> object:
-    """Build (or load the cached build of) the extension; raises where it cannot."""
+def build_extension(source: Path, prefix: str, cflags: list[str]) -> None:
+    """Build (or load the cached build of) one of tidepool's C++ sources as a torch extension;
+    raises where it cannot. Named by the source's and flags' hash: checkouts with different
+    kernels (worktrees, upgrades) share torch's build cache without loading each other's builds.
+    Shared by the encoder attention kernel, the decoder kernels and the int8 kernels."""
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-    # Named by the source's hash: checkouts with different kernels (worktrees, upgrades) share
-    # torch's build cache without loading each other's builds.
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
     load(
-        name=f"tidepool_cpu_ops_{digest}",
-        sources=[str(_SOURCE)],
-        extra_cflags=_CFLAGS,
+        name=f"{prefix}_{digest}",
+        sources=[str(source)],
+        extra_cflags=cflags,
         # OpenMP: ATen's parallel_for is a header template, compiled into the kernel; without
         # it the kernel runs on one thread. libgomp.so.1 resolves to the one torch loaded.
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )
+
+
+def _compile() -> object:
+    build_extension(_SOURCE, "tidepool_cpu_ops", _CFLAGS)
     return torch.ops.tidepool_cpu.encoder_attention
 
 

@@ -14,7 +14,6 @@ code), =native makes a failure an error.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from tidepool.attention import cpu_kernels
 
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_int8_ops.cpp"
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-std=c++17"]
+_CFLAGS = cpu_kernels.AVX512_CFLAGS
 ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2}
 """The activations the epilogue applies itself (the kernel's codes); others run as torch ops."""
 
@@ -32,18 +31,7 @@ _state: dict[str, object] = {}
 
 
 def _compile() -> object:
-    from torch.utils.cpp_extension import load as load_extension
-
-    cpu_kernels._put_ninja_on_path()
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
-    load_extension(
-        name=f"tidepool_int8_ops_{digest}",
-        sources=[str(_SOURCE)],
-        extra_cflags=[*_CFLAGS, "-fopenmp"],
-        extra_ldflags=["-fopenmp"],  # ATen's parallel_for runs on torch's OpenMP threads
-        is_python_module=False,
-        verbose=False,
-    )
+    cpu_kernels.build_extension(_SOURCE, "tidepool_int8_ops", _CFLAGS)
     return torch.ops.tidepool_int8
 
 
