@@ -42,6 +42,16 @@ def cpu_attention() -> str:
     return value
 
 
+def int8_gemm() -> str:
+    """TIDEPOOL_INT8_GEMM: the int8 linears' GEMM. "auto" (default): tidepool's AMX kernel with
+    the epilogue in its tile loop where the CPU has AMX-INT8 and the shape fits (K % 64, N % 32),
+    else oneDNN's int8 matmul and tidepool's epilogue kernels; "onednn": always the latter."""
+    value = (os.environ.get("TIDEPOOL_INT8_GEMM") or "auto").lower()
+    if value not in ("auto", "onednn"):
+        raise ValueError(f"TIDEPOOL_INT8_GEMM must be auto or onednn, got {value!r}")
+    return value
+
+
 def apply_openmp_defaults() -> bool:
     """OMP_WAIT_POLICY: tidepool sets PASSIVE with a short spin (SPIN_COUNT) unless the user
     chose a policy; returns whether PASSIVE applies.

@@ -93,7 +93,10 @@ def build_extension(source: Path, prefix: str, cflags: list[str]) -> None:
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+    # The headers beside the source (csrc/*.h) are part of every build's name too.
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode())
+    digest = digest.hexdigest()[:12]
     load(
         name=f"{prefix}_{digest}",
         sources=[str(source)],

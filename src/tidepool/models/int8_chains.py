@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from tidepool.models.bert import BertSelfAttention
+from tidepool.models.bert import BertLayer, BertSelfAttention
+from tidepool.models.deberta_v2 import DebertaV2Layer
 from tidepool.models.layers.int8_linear import Int8Linear, Scratch
 
 
@@ -32,7 +33,10 @@ def link_handoffs(model: nn.Module) -> int:
             for i, layer in enumerate(layers):
                 up = _at(layer, "intermediate.dense")
                 links += _link(_at(layer, "attention.output.dense"), up)
-                if _link(up, _at(layer, "output.dense")):
+                # A BERT-family layer hands FFN up's output to FFN down only (bert.py,
+                # mpnet.py, deberta_v2.py): its float32 form need not be written.
+                exclusive = isinstance(layer, (BertLayer, DebertaV2Layer))
+                if _link(up, _at(layer, "output.dense"), exclusive):
                     links += 1
                     up.use_scratch(up_scratch)  # type: ignore[union-attr]
                 attention = _at(layer, "attention.self")
@@ -76,8 +80,8 @@ def _at(module: nn.Module, path: str) -> nn.Module | None:
     return module
 
 
-def _link(producer: nn.Module | None, consumer: nn.Module | None) -> int:
+def _link(producer: nn.Module | None, consumer: nn.Module | None, exclusive: bool = False) -> int:
     if isinstance(producer, Int8Linear) and isinstance(consumer, Int8Linear):
-        producer.feed(consumer)
+        producer.feed(consumer, exclusive)
         return 1
     return 0

@@ -32,10 +32,14 @@ from functools import partial
 import torch
 from torch import nn
 
+from tidepool import envs
 from tidepool.models.layers import int8_ops
 from tidepool.models.layers.activation import get_activation
 from tidepool.models.layers.linear import Linear, combine
 
+WEIGHT_LO_FACTOR = 254
+"""Two-part weights: W ≈ w_scale · (weight_q + weight_lo / this) (|weight_lo| <= 127 holds the
+remainder of round(W / w_scale), at most 1/2, in steps of 1/254)."""
 # oneDNN's packing takes a hint of the typical number of rows; a step holds thousands of tokens.
 _PACK_BATCH_HINT = 4096
 # The GEMM runs on blocks of rows whose float32 output is about this size (see _fused).
@@ -109,6 +113,7 @@ class Int8Linear(nn.Module):
         activation: str | None,
         input_smoothing: torch.Tensor | None = None,
         asym: bool = False,
+        weight_lo: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_q.shape
@@ -125,16 +130,36 @@ class Int8Linear(nn.Module):
             persistent=False,
         )
         """[K]: inputs are multiplied by it before quantizing (1 / the SmoothQuant factor)."""
-        # The zero-point correction: scale_n · Σ_k Wq_nk (exact integer sum, then scaled).
-        wsum = weight_scale * weight_q.sum(dim=1, dtype=torch.int64).float() if asym else None
+        self.two_part = weight_lo is not None
+        """W ≈ w_scale · (weight_q + weight_lo / WEIGHT_LO_FACTOR): ~15-bit weights."""
+        # The zero-point correction: scale_n · Σ_k W_nk (exact integer sums, then scaled).
+        wsum = None
+        if asym:
+            wsum = weight_q.sum(dim=1, dtype=torch.int64).double()
+            if weight_lo is not None:
+                wsum += weight_lo.sum(dim=1, dtype=torch.int64).double() / WEIGHT_LO_FACTOR
+            wsum = weight_scale * wsum.float()
         self.register_buffer("weight_sum", wsum, persistent=False)
-        self._weight_zero_points = torch.zeros(self.out_features, dtype=torch.int64)
-        self._packed = torch.ops.onednn.qlinear_prepack(
-            weight_q, [_PACK_BATCH_HINT, self.in_features]
-        )
         self._ops = int8_ops.load()
         self._act_code = int8_ops.ACTIVATION_CODES.get(activation)
         self._block_rows = max(256, _BLOCK_BYTES // (4 * self.out_features) // 64 * 64)
+        self._amx = None
+        if self._ops is not None and self._act_code is not None:
+            self._amx = _amx_for(self.out_features, self.in_features)
+        self._tiles = self._tiles_lo = None
+        self._packed = self._packed_lo = None
+        if self._amx is not None:
+            self._tiles = int8_ops.pack_weight(weight_q)
+            self._tiles_lo = None if weight_lo is None else int8_ops.pack_weight(weight_lo)
+        else:
+            self._packed = torch.ops.onednn.qlinear_prepack(
+                weight_q, [_PACK_BATCH_HINT, self.in_features]
+            )
+            if weight_lo is not None:
+                self._packed_lo = torch.ops.onednn.qlinear_prepack(
+                    weight_lo, [_PACK_BATCH_HINT, self.in_features]
+                )
+        self._weight_zero_points = torch.zeros(self.out_features, dtype=torch.int64)
 
     @classmethod
     def from_linear(
@@ -158,13 +183,16 @@ class Int8Linear(nn.Module):
         weight_q, weight_scale = quantize_weight(weight)
         return cls(weight_q, weight_scale, linear.bias, linear.activation, smoothing, asym)
 
-    def feed(self, consumer: Int8Linear) -> None:
+    def feed(self, consumer: Int8Linear, exclusive: bool = False) -> None:
         """This layer's output is (among others) `consumer`'s input, unchanged: quantize each
         output row for it in the epilogue, while the row is in L1, so it skips its quantizer
         pass. The model passes the tensor on as before; `consumer` takes the quantized form only
-        when the tensor it is given is that very object (else it quantizes it itself)."""
+        when the tensor it is given is that very object (else it quantizes it itself).
+        `exclusive`: nothing but `consumer` reads the output (a BERT layer's FFN up), so the AMX
+        GEMM need not write its float32 form at all: the tensor passed on is then unwritten."""
         # Not a submodule: a plain attribute, so the module tree and state dict stay as they are.
         self.__dict__["_consumer"] = consumer
+        self.__dict__["_exclusive"] = exclusive
 
     def _quantized_input(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q, scale, scaled_zero) for x [..., K]: the producer's handoff when x is its output."""
@@ -182,11 +210,19 @@ class Int8Linear(nn.Module):
 
     def _gemm(self, q: torch.Tensor) -> torch.Tensor:
         """q [T, K] int8 / uint8 → acc · w_scale [T, N] float32 (the activation scale 1 and no
-        bias: the per-token scale and the bias follow in the epilogue)."""
-        return torch.ops.onednn.qlinear_pointwise(
+        bias: the per-token scale and the bias follow in the epilogue); two-part weights add
+        the second GEMM's sums / WEIGHT_LO_FACTOR."""
+        y = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, 0, self._packed, self.weight_scale, self._weight_zero_points,
             None, 1.0, 0, torch.float32, "none", [], "",
         )  # fmt: skip
+        if self._packed_lo is not None:
+            lo = torch.ops.onednn.qlinear_pointwise(
+                q, 1.0, 0, self._packed_lo, self.weight_scale, self._weight_zero_points,
+                None, 1.0, 0, torch.float32, "none", [], "",
+            )  # fmt: skip
+            y = y.add_(lo, alpha=1.0 / WEIGHT_LO_FACTOR)
+        return y
 
     def _handoff_args(self, rows: int) -> list[torch.Tensor | None]:
         """The consumer's smoothing and the tensors its quantized input is written to (all None
@@ -208,6 +244,8 @@ class Int8Linear(nn.Module):
         block's float32 output is still in cache when the epilogue reads it (at 4,096 rows a
         768 → 3072 GEMM alone ran at a third of its speed at 1,024, writing 48 MB)."""
         q, scale, scaled_zero = self._quantized_input(x)
+        if self._amx is not None:
+            return self._fused_amx(q, scale, scaled_zero, multiply, residual, norm)
         rows, block = q.shape[0], self._block_rows
         handoff = self._handoff_args(rows)
         sides = [t if t is None else t.reshape(-1, self.out_features) for t in (multiply, residual)]
@@ -235,6 +273,31 @@ class Int8Linear(nn.Module):
                 )  # fmt: skip
             if out is None:
                 out = y
+        if handoff[1] is not None:
+            self.__dict__["_consumer"].__dict__["_handoff"] = (out, *handoff[1:])
+        return out
+
+    def _fused_amx(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        scaled_zero: torch.Tensor,
+        multiply: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        norm: nn.LayerNorm | None,
+    ) -> torch.Tensor:
+        """The AMX GEMM with the epilogue (and LayerNorm, handoff) in its tile loop: one call."""
+        rows = q.shape[0]
+        handoff = self._handoff_args(rows)
+        sides = [t if t is None else t.reshape(-1, self.out_features) for t in (multiply, residual)]
+        out = self._output(rows)
+        write_out = handoff[1] is None or not self.__dict__.get("_exclusive", False)
+        self._amx.linear(
+            q, self._tiles, self._tiles_lo, self.weight_scale, scale,
+            scaled_zero if self.asym else None, self.weight_sum, self.bias, self._act_code,
+            *sides, None if norm is None else norm.weight, None if norm is None else norm.bias,
+            1e-12 if norm is None else norm.eps, *handoff, out, write_out,
+        )  # fmt: skip
         if handoff[1] is not None:
             self.__dict__["_consumer"].__dict__["_handoff"] = (out, *handoff[1:])
         return out
@@ -292,10 +355,11 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "uint8 asymmetric" if self.asym else "int8 symmetric"
+        kernels = "amx" if self._amx is not None else "native" if self._ops is not None else "torch"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, activation={self.activation}, {kind} per-token, "
-            f"kernels={'native' if self._ops is not None else 'torch'}"
+            f"{'two-part' if self.two_part else 'int8'} weights, kernels={kernels}"
         )
 
 
@@ -310,6 +374,13 @@ class Scratch:
         if self._buffer.numel() < rows * cols:
             self._buffer = torch.empty(rows * cols)
         return self._buffer[: rows * cols].view(rows, cols)
+
+
+def _amx_for(out_features: int, in_features: int) -> object | None:
+    """The AMX GEMM's ops for a layer of this shape (K % 64, N % 32), else None (oneDNN)."""
+    if in_features % 64 or out_features % 32 or envs.int8_gemm() == "onednn":
+        return None
+    return int8_ops.load_amx()
 
 
 def _fusable_norm(norm: nn.Module, dims: int) -> bool:

@@ -58,3 +58,47 @@ def quantize_rows(
     scaled_zero = torch.empty(rows, 1)
     torch.ops.tidepool_int8.quantize_rows(x, smoothing, asym, q, scale, scaled_zero)
     return q, scale, scaled_zero
+
+
+_AMX_SOURCE = _SOURCE.parent / "cpu_int8_gemm.cpp"
+_AMX_CFLAGS = [*cpu_kernels.AVX512_CFLAGS, "-mamx-tile", "-mamx-int8"]
+
+
+def _compile_amx() -> object:
+    cpu_kernels.build_extension(_AMX_SOURCE, "tidepool_int8_gemm", _AMX_CFLAGS)
+    ops = torch.ops.tidepool_int8_amx
+    return ops if ops.available() else None
+
+
+def load_amx() -> object | None:
+    """The `tidepool_int8_amx` namespace (the AMX GEMM with its epilogue in the tile loop,
+    csrc/cpu_int8_gemm.cpp) where the CPU has AMX-INT8 and the build works, else None (then
+    Int8Linear runs oneDNN's GEMM and the epilogue kernels)."""
+    if "amx" not in _state:
+        epilogues = load()  # first: it takes the same lock
+        with _lock:
+            if "amx" not in _state:
+                ops = None
+                if epilogues is not None and _cpu_has_amx():
+                    ops = cpu_kernels.build_or_fall_back(
+                        _compile_amx, _AMX_SOURCE.name, "tidepool's AMX int8 GEMM",
+                        "oneDNN's int8 GEMM",
+                    )  # fmt: skip
+                _state["amx"] = ops
+    return _state["amx"]
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "amx_tile" in flags and "amx_int8" in flags
+
+
+def pack_weight(weight_q: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] int8 → the AMX GEMM's tile layout [N/16, K/64, 16, 64]: tile (nb, kb) is
+    16 rows, row r holding W[nb·16 + j, kb·64 + 4r + i] at byte 4j + i (the VNNI order)."""
+    n, k = weight_q.shape
+    tiles = weight_q.reshape(n // 16, 16, k // 64, 16, 4)  # [nb, j, kb, r, i]
+    return tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 64, 16, 64).contiguous()
