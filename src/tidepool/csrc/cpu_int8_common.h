@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <utility>
 
 namespace {
 
@@ -70,13 +71,12 @@ inline __m512 activate(__m512 v, int64_t act) {
   return v;
 }
 
-// One row: scale = amax / 127, q = round(v / scale) in int8.
-void quantize_row_sym(const float* x, const float* sm, int64_t K, int8_t* q, float* scale) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(smoothed(x, sm, k, tail_mask(K - k))));
-  }
-  const float s = std::max(_mm512_reduce_max_ps(amax), kMinScale) / 127.f;
+// One row's quantization once its range is known: symmetric int8 (amax = max |v|: scale =
+// amax / 127, q = round(v / scale)) or asymmetric uint8 ([mn, mx]: scale = (mx - mn) / 255,
+// z = round(-mn / scale), q = clamp(round(v / scale) + z, 0, 255)); v = x (· smoothing).
+void quantize_row_sym_given(const float* x, const float* sm, int64_t K, float amax, int8_t* q,
+                            float* scale) {
+  const float s = std::max(amax, kMinScale) / 127.f;
   const __m512 inv = _mm512_set1_ps(1.f / s);
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = tail_mask(K - k);
@@ -86,18 +86,8 @@ void quantize_row_sym(const float* x, const float* sm, int64_t K, int8_t* q, flo
   *scale = s;
 }
 
-// One row: scale = (max - min) / 255, z = round(-min / scale), q = clamp(round(v/scale) + z).
-void quantize_row_asym(const float* x, const float* sm, int64_t K, uint8_t* q, float* scale,
-                       float* scaled_zero) {
-  __m512 lo = _mm512_set1_ps(std::numeric_limits<float>::infinity());
-  __m512 hi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = tail_mask(K - k);
-    const __m512 v = smoothed(x, sm, k, m);
-    lo = _mm512_mask_min_ps(lo, m, lo, v);
-    hi = _mm512_mask_max_ps(hi, m, hi, v);
-  }
-  const float mn = _mm512_reduce_min_ps(lo), mx = _mm512_reduce_max_ps(hi);
+void quantize_row_asym_given(const float* x, const float* sm, int64_t K, float mn, float mx,
+                             uint8_t* q, float* scale, float* scaled_zero) {
   const float s = std::max(mx - mn, kMinScale) / 255.f;
   const float z = std::nearbyint(-mn / s);
   const __m512 inv = _mm512_set1_ps(1.f / s);
@@ -111,6 +101,35 @@ void quantize_row_asym(const float* x, const float* sm, int64_t K, uint8_t* q, f
   }
   *scale = s;
   *scaled_zero = s * z;
+}
+
+// The range of v = x (· smoothing) over a row: (min, max).
+inline std::pair<float, float> row_range(const float* x, const float* sm, int64_t K) {
+  __m512 lo = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __m512 hi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = tail_mask(K - k);
+    const __m512 v = smoothed(x, sm, k, m);
+    lo = _mm512_mask_min_ps(lo, m, lo, v);
+    hi = _mm512_mask_max_ps(hi, m, hi, v);
+  }
+  return {_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi)};
+}
+
+// One row, range then quantization: symmetric ...
+void quantize_row_sym(const float* x, const float* sm, int64_t K, int8_t* q, float* scale) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(smoothed(x, sm, k, tail_mask(K - k))));
+  }
+  quantize_row_sym_given(x, sm, K, _mm512_reduce_max_ps(amax), q, scale);
+}
+
+// ... and asymmetric.
+void quantize_row_asym(const float* x, const float* sm, int64_t K, uint8_t* q, float* scale,
+                       float* scaled_zero) {
+  const auto [mn, mx] = row_range(x, sm, K);
+  quantize_row_asym_given(x, sm, K, mn, mx, q, scale, scaled_zero);
 }
 
 const float* optional_ptr(const c10::optional<at::Tensor>& t, int64_t numel, const char* what) {
@@ -192,6 +211,19 @@ struct Handoff {
                         scaled_zero + t);
     } else {
       quantize_row_sym(y, smoothing, N, static_cast<int8_t*>(q) + t * N, scale + t);
+      scaled_zero[t] = 0.f;
+    }
+  }
+
+  // The same, for a row whose smoothed range [mn, mx] is already known.
+  void row_given(const float* y, int64_t t, int64_t N, float mn, float mx) const {
+    if (q == nullptr) return;
+    if (asym) {
+      quantize_row_asym_given(y, smoothing, N, mn, mx, static_cast<uint8_t*>(q) + t * N,
+                              scale + t, scaled_zero + t);
+    } else {
+      quantize_row_sym_given(y, smoothing, N, std::max(-mn, mx), static_cast<int8_t*>(q) + t * N,
+                             scale + t);
       scaled_zero[t] = 0.f;
     }
   }
