@@ -142,12 +142,13 @@ struct Gemm {
   double eps;
   float* out;      // [T, N]
   bool write_out;  // false: only the handoff is needed (the rows go to a per-thread buffer)
+  Epilogue core;   // e without the multiply / residual (the fused path's tile phase)
 };
 
 // Rows [r0, r0 + rows) x columns [n0, n0 + 32) from the int32 sums c (and c_lo), into dst
 // (row stride N, row r0 at dst).
-void finish_block(const Gemm& g, const int32_t* c, const int32_t* c_lo, int64_t r0, int64_t rows,
-                  int64_t n0, float* dst) {
+void finish_block(const Gemm& g, const Epilogue& e, const int32_t* c, const int32_t* c_lo,
+                  int64_t r0, int64_t rows, int64_t n0, float* dst) {
   const __m512 lo_factor = _mm512_set1_ps(kLoFactor);
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t j = 0; j < kBlockCols; j += 16) {
@@ -157,7 +158,7 @@ void finish_block(const Gemm& g, const int32_t* c, const int32_t* c_lo, int64_t 
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c_lo + i * 32 + j)),
                               lo_factor, acc);
       const __m512 y = _mm512_mul_ps(acc, _mm512_loadu_ps(g.w_scale + n));
-      _mm512_storeu_ps(dst + i * g.N + n, epilogue_value(g.e, y, r0 + i, n, 0xFFFF));
+      _mm512_storeu_ps(dst + i * g.N + n, epilogue_value(e, y, r0 + i, n, 0xFFFF));
     }
   }
 }
@@ -191,15 +192,29 @@ std::pair<float, float> layer_norm_row_range(float* row, int64_t N, const float*
   return {_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi)};
 }
 
-// The row pass of rows [r0, r1) in dst (row r0 at dst): LayerNorm, then the handoff.
-void finish_rows(const Gemm& g, int64_t r0, int64_t r1, float* dst) {
+// The row pass of rows [r0, r1) of a finished block range in src (row r0 at src): multiply /
+// residual when `sides` (read sequentially, row by row, not in 128-byte pieces of 32 rows),
+// LayerNorm, the handoff, and the row written to out when it is wanted (else it stays in src).
+void finish_rows(const Gemm& g, int64_t r0, int64_t r1, float* src, bool sides) {
+  const Epilogue& e = g.e;
   for (int64_t t = r0; t < r1; ++t) {
-    float* row = dst + (t - r0) * g.N;
+    float* row = src + (t - r0) * g.N;
+    float* dst = g.write_out ? g.out + t * g.N : row;
+    if (dst != row || (sides && (e.multiply != nullptr || e.residual != nullptr))) {
+      for (int64_t n = 0; n < g.N; n += 16) {
+        __m512 v = _mm512_loadu_ps(row + n);
+        if (sides && e.multiply != nullptr)
+          v = _mm512_mul_ps(v, _mm512_loadu_ps(e.multiply + t * e.multiply_row + n));
+        if (sides && e.residual != nullptr)
+          v = _mm512_add_ps(v, _mm512_loadu_ps(e.residual + t * e.residual_row + n));
+        _mm512_storeu_ps(dst + n, v);
+      }
+    }
     if (g.gamma != nullptr) {
-      const auto [mn, mx] = layer_norm_row_range(row, g.N, g.gamma, g.beta, g.eps, g.h.smoothing);
-      g.h.row_given(row, t, g.N, mn, mx);
+      const auto [mn, mx] = layer_norm_row_range(dst, g.N, g.gamma, g.beta, g.eps, g.h.smoothing);
+      g.h.row_given(dst, t, g.N, mn, mx);
     } else {
-      g.h.row(row, t, g.N);
+      g.h.row(dst, t, g.N);
     }
   }
 }
@@ -207,7 +222,8 @@ void finish_rows(const Gemm& g, int64_t r0, int64_t r1, float* dst) {
 // Rows [r0, r1) (a whole number of strips but maybe the last) x columns [n0, n1) into dst.
 // A strip past T reads a zero-padded copy of its rows.
 template <bool kUnsigned>
-void run_blocks(const Gemm& g, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* dst) {
+void run_blocks(const Gemm& g, const Epilogue& e, int64_t r0, int64_t r1, int64_t n0, int64_t n1,
+                float* dst) {
   alignas(64) int32_t c[kStrip * 32];
   alignas(64) int32_t c_lo[kStrip * 32];
   const int64_t ktiles = g.K / 64;
@@ -226,14 +242,14 @@ void run_blocks(const Gemm& g, int64_t r0, int64_t r1, int64_t n0, int64_t n1, f
       const int64_t rows = std::min(kStrip, r1 - r);
       if (g.w_lo == nullptr) {
         block_32x32<kUnsigned>(a, g.K, g.w + nb * ktiles * 1024, ktiles, c);
-        finish_block(g, c, nullptr, r, rows, n, dst + (r - r0) * g.N);
+        finish_block(g, e, c, nullptr, r, rows, n, dst + (r - r0) * g.N);
       } else {
         for (int64_t half = 0; half < 2; ++half) {
           const int64_t off = (nb + half) * ktiles * 1024;
           block_32x16_two_part<kUnsigned>(a, g.K, g.w + off, g.w_lo + off, ktiles,
                                           c + half * 16, c_lo + half * 16);
         }
-        finish_block(g, c, c_lo, r, rows, n, dst + (r - r0) * g.N);
+        finish_block(g, e, c, c_lo, r, rows, n, dst + (r - r0) * g.N);
       }
     }
   }
@@ -243,19 +259,19 @@ inline int64_t group_rows(int64_t N) {
   return std::clamp<int64_t>(kGroupBytes / (4 * N) / kStrip * kStrip, kStrip, 4 * kStrip);
 }
 
-// Enough row groups for every thread: each task does whole groups, blocks then rows, in L2.
+// Enough row groups for every thread: each task does whole groups, blocks into a per-thread
+// L2-resident buffer, then rows from it to out (the only writes to memory: row by row).
 template <bool kUnsigned>
 void run_fused(const Gemm& g) {
   const int64_t G = group_rows(g.N), groups = (g.T + G - 1) / G;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     thread_local std::vector<float> rows;
-    if (!g.write_out) rows.resize(G * g.N);
+    if (rows.size() < static_cast<size_t>(G * g.N)) rows.resize(G * g.N);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r0 = i * G, r1 = std::min(g.T, r0 + G);
-      float* dst = g.write_out ? g.out + r0 * g.N : rows.data();
-      run_blocks<kUnsigned>(g, r0, r1, 0, g.N, dst);
-      finish_rows(g, r0, r1, dst);
+      run_blocks<kUnsigned>(g, g.core, r0, r1, 0, g.N, rows.data());
+      finish_rows(g, r0, r1, rows.data(), true);
     }
     _tile_release();
   });
@@ -274,13 +290,13 @@ void run_split(const Gemm& g) {
       const int64_t r0 = s * kStrip, r1 = std::min(g.T, r0 + kStrip);
       const int64_t n0 = col_blocks * p / parts * kBlockCols;
       const int64_t n1 = col_blocks * (p + 1) / parts * kBlockCols;
-      run_blocks<kUnsigned>(g, r0, r1, n0, n1, g.out + r0 * g.N);
+      run_blocks<kUnsigned>(g, g.e, r0, r1, n0, n1, g.out + r0 * g.N);
     }
     _tile_release();
   });
   if (g.gamma != nullptr || g.h.q != nullptr) {
     at::parallel_for(0, g.T, kGrain, [&](int64_t begin, int64_t end) {
-      finish_rows(g, begin, end, g.out + begin * g.N);
+      finish_rows(g, begin, end, g.out + begin * g.N, false);
     });
   }
 }
@@ -320,6 +336,8 @@ void amx_linear(const at::Tensor& q, const at::Tensor& w, const c10::optional<at
   g.asym = q.scalar_type() == at::kByte;
   g.e = make_epilogue(out, scale, scaled_zero, wsum, bias, act, multiply, residual);
   TORCH_CHECK(g.asym == (g.e.scaled_zero != nullptr), "uint8 inputs come with scaled_zero");
+  g.core = g.e;
+  g.core.multiply = g.core.residual = nullptr;
   g.h = make_handoff(out, next_smoothing, q_next, q_scale, q_scaled_zero);
   TORCH_CHECK(gamma.has_value() == beta.has_value(), "gamma and beta come together");
   g.gamma = optional_ptr(gamma, N, "gamma");
