@@ -337,10 +337,19 @@ TP_AMX TP_INLINE __m512i join(__m256i a, __m256i b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
 }
 
+// n elements of v starting at a 64-byte boundary: tile rows (64 bytes) then never split a
+// cache line.
+template <typename E>
+E* aligned64(std::vector<E>& v, int64_t n) {
+  v.resize(n + 64 / sizeof(E));
+  const auto addr = reinterpret_cast<uintptr_t>(v.data());
+  return reinterpret_cast<E*>((addr + 63) & ~static_cast<uintptr_t>(63));
+}
+
 struct AmxScratch {
   std::vector<uint16_t> q, kb, vb, p;  // each [2][...]: hi, then lo
   std::vector<float> s, o;             // [32, Lp] scores, [32, D] a block's outputs
-  float inv[32];
+  float inv[64];
 };
 
 // Keys (rows [0, len) of k, zero up to Lp) into B tiles: a 16 x 16 transpose of (key, dim pair)
@@ -441,20 +450,31 @@ TP_AMX void tile_block(const uint16_t* a_hi, const uint16_t* a_lo, int64_t lda,
   }
 }
 
-// 2^t in float32: 2^n * p(f), n = round(t), |f| <= 1/2, degree-6 Taylor polynomial (relative
-// error ~1.2e-7, as exp_ps); underflows to 0 below -126 (no denormals).
-TP_INLINE __m512 exp2_ps(__m512 t) {
+// 2^t in float32: 2^n * p(f), n = round(t), |f| <= 1/2, p a near-minimax polynomial with
+// p(0) = 1 (fitted to 2^f's relative error): degree 5 is within 1.1e-7 (exp_ps's accuracy, for
+// bf16x3), degree 4 within 2.8e-6 (for bf16, whose P rounding is 2^-9). Underflows to 0 below
+// -126 (no denormals); lanes outside `keep` are 0.
+template <int kDegree>
+TP_INLINE __m512 exp2_ps(__m512 t, __mmask16 keep) {
+  static_assert(kDegree == 4 || kDegree == 5);
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);  // ln2^6 / 6!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  __m512 p;
+  if constexpr (kDegree == 5) {
+    p = _mm512_set1_ps(0.001326472731307149f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009671512991189957f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550733581185341f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022242426872253f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931470036506653f));
+  } else {
+    p = _mm512_set1_ps(0.009582853876054287f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05590642988681793f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099111557007f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931241750717163f));
+  }
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 TP_INLINE __mmask16 first_n(int64_t n) {  // lanes [0, n) of 16
@@ -493,14 +513,19 @@ TP_AMX void softmax_block(float* s, int64_t rows, int64_t i0, int64_t len, int64
     __m512 sum = _mm512_setzero_ps();
     uint16_t* ph = p_hi + r * Lp;
     uint16_t* pl = p_lo + r * Lp;
-    for (int64_t j = 0; j < Lp; j += 16) {
+    int64_t j = 0;
+    for (; j < len; j += 16) {
       const __m512 t = _mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vc, mc);
-      const __m512 p = _mm512_maskz_mov_ps(first_n(len - j), exp2_ps(t));
+      const __m512 p = exp2_ps<kSplit ? 5 : 4>(t, first_n(len - j));
       const __m256i h = bf16_bits(p);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + j), h);
       if constexpr (kSplit)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j), bf16_bits(_mm512_sub_ps(p, widen(h))));
       sum = _mm512_add_ps(sum, p);
+    }
+    for (; j < Lp; j += 16) {  // keys past the last one, up to the key block
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + j), _mm256_setzero_si256());
+      if constexpr (kSplit) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j), _mm256_setzero_si256());
     }
     inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
   }
@@ -518,56 +543,74 @@ TP_AMX void attend_amx(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, i
   constexpr bool kSplitInputs = kSplit && std::is_same_v<T, float>;  // bf16 inputs: lo = 0
   const int64_t Lp = (len + 31) / 32 * 32;
   const int64_t Lr = (q_len + 31) / 32 * 32;
-  sc.kb.resize(2 * Lp * D);
-  sc.vb.resize(2 * Lp * D);
-  sc.q.resize(2 * Lr * D);
-  sc.p.resize(2 * 32 * Lp);
-  sc.s.resize(32 * Lp);
-  sc.o.resize(32 * D);
-  uint16_t *kh = sc.kb.data(), *kl = kh + Lp * D, *vh = sc.vb.data(), *vl = vh + Lp * D;
-  uint16_t *qh = sc.q.data(), *ql = qh + Lr * D, *ph = sc.p.data(), *pl = ph + 32 * Lp;
+  uint16_t* kh = aligned64(sc.kb, 2 * Lp * D);
+  uint16_t* vh = aligned64(sc.vb, 2 * Lp * D);
+  uint16_t* qh = aligned64(sc.q, 2 * Lr * D);
+  uint16_t* ph = aligned64(sc.p, 4 * 32 * Lp);  // [hi, lo][2 blocks][32, Lp]
+  float* s = aligned64(sc.s, 2 * 32 * Lp);
+  float* o = aligned64(sc.o, 32 * D);
+  uint16_t *kl = kh + Lp * D, *vl = vh + Lp * D, *ql = qh + Lr * D, *pl = ph + 2 * 32 * Lp;
   pack_keys<T, D>(k, len, Lp, kSplitInputs, kh, kl);
   pack_values<T, D>(v, len, Lp, kSplitInputs, vh, vl);
-  for (int64_t i = 0; i < Lr; ++i)
+  for (int64_t i = 0; i < Lr; ++i) {
     for (int64_t c = 0; c < D / 16; ++c) {
       __m256i hi = _mm256_setzero_si256(), lo = hi;
       if (i < q_len) split16(q.ptr + i * q.row + 16 * c, kSplitInputs, hi, lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qh + i * D + 16 * c), hi);
       if (kSplitInputs) _mm256_storeu_si256(reinterpret_cast<__m256i*>(ql + i * D + 16 * c), lo);
     }
+  }
   const uint16_t* klo = kSplitInputs ? kl : nullptr;
   const uint16_t* qlo = kSplitInputs ? ql : nullptr;
   const uint16_t* vlo = kSplitInputs ? vl : nullptr;
   const uint16_t* plo = kSplit ? pl : nullptr;
-  float* s = sc.s.data();
-  float* o = sc.o.data();
-  for (int64_t i0 = 0; i0 < q_len; i0 += 32) {
-    const int64_t rows = std::min<int64_t>(32, q_len - i0);
+  // Query blocks of 32 rows, software-pipelined: block b + 1's scores, then block b's softmax,
+  // then block b - 1's P V, so a tile load never reads what the vector stores just wrote (and
+  // the vector loads not what the tile stores just wrote): double-buffered S, P and inv.
+  const int64_t blocks = (q_len + 31) / 32;
+  auto rows_of = [&](int64_t b) { return std::min<int64_t>(32, q_len - 32 * b); };
+  auto scores = [&](int64_t b) {
+    const int64_t i0 = 32 * b;
     const uint16_t* qa = qh + i0 * D;
     const uint16_t* qb = qlo == nullptr ? nullptr : qlo + i0 * D;
-    // Scores: key blocks of 32 (two key tiles, D / 32 steps).
-    for (int64_t j = 0; j < Lp; j += 32) {
+    float* sb = s + (b & 1) * 32 * Lp;
+    for (int64_t j = 0; j < Lp; j += 32) {  // key blocks of 32: two key tiles, D / 32 steps
       const int64_t tile = (j / 16) * (D / 32) * kTile;
-      if (rows > 16)
-        tile_block<2>(qa, qb, D, kh + tile, klo ? klo + tile : nullptr, D / 32, D / 32, s + j, Lp);
+      const uint16_t* kb_lo = klo ? klo + tile : nullptr;
+      if (rows_of(b) > 16)
+        tile_block<2>(qa, qb, D, kh + tile, kb_lo, D / 32, D / 32, sb + j, Lp);
       else
-        tile_block<1>(qa, qb, D, kh + tile, klo ? klo + tile : nullptr, D / 32, D / 32, s + j, Lp);
+        tile_block<1>(qa, qb, D, kh + tile, kb_lo, D / 32, D / 32, sb + j, Lp);
     }
-    softmax_block<kSplit>(s, rows, i0, len, Lp, scale, bias, ph, pl, sc.inv);
-    // Outputs: dim blocks of 32 (two dim tiles, Lp / 32 key steps).
-    for (int64_t d = 0; d < D; d += 32) {
+  };
+  auto outputs = [&](int64_t b) {
+    const uint16_t* pa = ph + (b & 1) * 32 * Lp;
+    const uint16_t* pb = plo == nullptr ? nullptr : plo + (b & 1) * 32 * Lp;
+    for (int64_t d = 0; d < D; d += 32) {  // dim blocks of 32: two dim tiles, Lp / 32 steps
       const int64_t tile = (d / 16) * (Lp / 32) * kTile;
-      if (rows > 16)
-        tile_block<2>(ph, plo, Lp, vh + tile, vlo ? vlo + tile : nullptr, Lp / 32, Lp / 32, o + d, D);
+      const uint16_t* vb_lo = vlo ? vlo + tile : nullptr;
+      if (rows_of(b) > 16)
+        tile_block<2>(pa, pb, Lp, vh + tile, vb_lo, Lp / 32, Lp / 32, o + d, D);
       else
-        tile_block<1>(ph, plo, Lp, vh + tile, vlo ? vlo + tile : nullptr, Lp / 32, Lp / 32, o + d, D);
+        tile_block<1>(pa, pb, Lp, vh + tile, vb_lo, Lp / 32, Lp / 32, o + d, D);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512 w = _mm512_set1_ps(sc.inv[r]);
-      T* dst = out + (out_start + i0 + r) * H * D + h * D;
-      for (int64_t c = 0; c < D / 16; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), w));
+    const float* inv = sc.inv + (b & 1) * 32;
+    for (int64_t r = 0; r < rows_of(b); ++r) {
+      const __m512 w = _mm512_set1_ps(inv[r]);
+      T* dst = out + (out_start + 32 * b + r) * H * D + h * D;
+      for (int64_t c = 0; c < D / 16; ++c)
+        store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), w));
     }
+  };
+  scores(0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b + 1 < blocks) scores(b + 1);
+    const int64_t off = (b & 1) * 32 * Lp;
+    softmax_block<kSplit>(s + off, rows_of(b), 32 * b, len, Lp, scale, bias, ph + off,
+                          pl + off, sc.inv + (b & 1) * 32);
+    if (b > 0) outputs(b - 1);
   }
+  outputs(blocks - 1);
 }
 
 // A [rows, heads, D] view with unit stride in D: its row and head strides, in elements.
