@@ -208,3 +208,39 @@ def test_bad_matmul_code_is_refused():
             q, k, v, torch.tensor([0]), torch.tensor([4]), torch.tensor([0]), False, 0.2,
             None, 0, None, 3, out,
         )  # fmt: skip
+
+
+def test_attach_gives_bfloat16_and_int8_models_their_matmul(monkeypatch):
+    """attach_attention_backend (models/interfaces.py), as the loader calls it: a float32 model
+    keeps the exact kernel, a bfloat16 one and a float32 one with reduced_precision=True (the
+    int8 mode) get REDUCED_MATMUL (where AMX-bf16 is available)."""
+    from transformers import BertConfig
+
+    from tidepool.attention import backend as b
+    from tidepool.models.bert import BertModel
+    from tidepool.models.interfaces import attach_attention_backend
+
+    if not b.CpuKernelBackend.supports(
+        b.AttentionSpec(torch.device("cpu"), torch.float32, 32, 512)
+    ):
+        pytest.skip("the CPU kernel is not available here")
+    monkeypatch.delenv("TIDEPOOL_CPU_ATTENTION_MATMUL", raising=False)
+    config = BertConfig(
+        vocab_size=50, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    model = BertModel(config).eval()
+    amx = cpu_kernels.amx_bf16_available()
+    cpu = torch.device("cpu")
+    cases = [
+        (torch.float32, None, False),
+        (torch.bfloat16, None, True),
+        (torch.float32, True, True),
+    ]
+    for dtype, reduced, expect_amx in cases:
+        attach_attention_backend(model, cpu, dtype, reduced)
+        got = model.attention_backend
+        assert isinstance(got, b.CpuKernelBackend)
+        expected = b.REDUCED_MATMUL[dtype] if expect_amx and amx else "float32"
+        assert got.matmul == expected, (dtype, reduced, got)
+        assert model.encoder.layer[0].attention.self.attention_backend is got

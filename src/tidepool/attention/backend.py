@@ -70,7 +70,7 @@ class AttentionSpec:
     (exact), or "bf16" / "bf16x3" where the model allows reduced precision."""
 
 
-REDUCED_MATMUL = {torch.bfloat16: "bf16x3", torch.float32: "bf16x3"}
+REDUCED_MATMUL = {torch.bfloat16: "bf16", torch.float32: "bf16"}
 """The products of a model that allows reduced precision, by its dtype (float32: the int8
 mode's activations). Measured in docs/performance.md ("AMX-bf16 attention")."""
 

@@ -452,12 +452,15 @@ TP_AMX void tile_block(const uint16_t* a_hi, const uint16_t* a_lo, int64_t lda,
 
 // 2^t in float32: 2^n * p(f), n = round(t), |f| <= 1/2, p a near-minimax polynomial with
 // p(0) = 1 (fitted to 2^f's relative error): degree 5 is within 1.1e-7 (exp_ps's accuracy, for
-// bf16x3), degree 4 within 2.8e-6 (for bf16, whose P rounding is 2^-9). Underflows to 0 below
-// -126 (no denormals); lanes outside `keep` are 0.
+// bf16x3), degree 4 within 2.8e-6 (for bf16, whose P rounding is 2^-9). t is clamped at -100:
+// no p below 2^-100 (a weight that small changes nothing), so neither p nor P's lo part
+// (a multiple of p's ulp) is ever a denormal, whose handling costs a microcode assist per
+// instruction (real attention rows span more than 100 bits of range; random test data does not).
+// Lanes outside `keep` are 0.
 template <int kDegree>
 TP_INLINE __m512 exp2_ps(__m512 t, __mmask16 keep) {
   static_assert(kDegree == 4 || kDegree == 5);
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  t = _mm512_max_ps(t, _mm512_set1_ps(-100.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p;
