@@ -5,9 +5,12 @@ lengths drawn from the benchmark corpus' token lengths (fixed seed), through bot
 encoder attention paths: the kernel on the packed tokens (csrc/cpu_encoder_attention.cpp) and
 SDPA per padded bucket on the padded layout (attention/torch_backend.py). Calls alternate
 (A B A B ...); prints each side's median time, GFLOP/s (4 * L^2 * head_dim per head and
-sequence) and the median per-pair ratio, and checks the outputs agree.
+sequence) and the median per-pair ratio, and checks the outputs agree. `--matmul` adds the
+kernel's AMX-bf16 modes (cpu_kernels.MATMULS) to the rotation, each with its speed-up over the
+kernel's float32 products and its max abs difference to them.
 
     python benchmarks/cpu_attention.py [--dtype float32|bfloat16] [--threads 2] [--calls 25]
+        [--head-dim 64] [--matmul bf16,bf16x3]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from corpus import make_corpus  # noqa: E402
 
 from tidepool.attention import cpu_kernels, torch_backend  # noqa: E402
-from tidepool.attention.backend import CPU_KERNEL  # noqa: E402
+from tidepool.attention.backend import CPU_KERNEL, CpuKernelBackend  # noqa: E402
 from tidepool.attention.metadata import build_encoder_metadata, pad_buckets  # noqa: E402
 
 
@@ -58,6 +61,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--calls", type=int, default=25)
+    parser.add_argument("--matmul", default="", help="AMX modes to add: bf16,bf16x3")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,10 +82,15 @@ def main() -> None:
     def sdpa() -> torch.Tensor:
         return torch_backend.encoder_attention(qkv_slots, layout.metadata, scale)
 
-    diff = (kernel().float() - sdpa()[layout.slot_of_token].float()).abs().max().item()
-    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+    sides = {"kernel": kernel, "sdpa": sdpa}
+    for mode in filter(None, args.matmul.split(",")):
+        backend = CpuKernelBackend(mode)
+        sides[mode] = lambda backend=backend: backend.attend(qkv, meta, scale)
+    base = kernel().float()
+    diff = (base - sdpa()[layout.slot_of_token].float()).abs().max().item()
+    times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.calls):
-        for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
+        for name, fn in sides.items():
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -96,6 +105,11 @@ def main() -> None:
         print(f"  {name:7s} {t * 1e3:7.2f} ms  {flops / t / 1e9:6.1f} GFLOP/s")
     ratio = statistics.median(s / k for k, s in zip(times["kernel"], times["sdpa"], strict=True))
     print(f"  kernel speed-up over SDPA (median of pairs): {ratio:.2f}x")
+    for mode in [m for m in sides if m not in ("kernel", "sdpa")]:
+        pairs = zip(times["kernel"], times[mode], strict=True)
+        gain = statistics.median(k / m for k, m in pairs)
+        err = (sides[mode]().float() - base).abs().max().item()
+        print(f"  {mode} over the float32 kernel: {gain:.2f}x (max abs diff {err:.2e})")
 
 
 if __name__ == "__main__":

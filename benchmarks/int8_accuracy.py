@@ -30,6 +30,7 @@ from int8_simulate import simulated_builder  # noqa: E402
 
 from tidepool import LLM  # noqa: E402
 from tidepool.models import quantization  # noqa: E402
+from tidepool.models.interfaces import attach_attention_backend  # noqa: E402
 from tidepool.models.layers.linear import Linear  # noqa: E402
 from tidepool.models.quantization import (  # noqa: E402
     Int8Recipe,
@@ -149,11 +150,15 @@ def _measure(
     for name, linear in originals.items():
         if only is not None and not re.search(only, name):
             quantization._set_submodule(model, name, linear)
+    # The attention the loader gives an int8 model (TIDEPOOL_CPU_ATTENTION_MATMUL chooses).
+    attach_attention_backend(model, config.device, config.dtype, reduced_precision=True)
+    print(f"  attention: {model.attention_backend}", flush=True)
     try:
         return [seconds, check] + [agreement(embed(llm, s.texts), s.reference) for s in sets]
     finally:
         for name, linear in originals.items():
             quantization._set_submodule(model, name, linear)
+        attach_attention_backend(model, config.device, config.dtype, reduced_precision=False)
 
 
 def main() -> None:

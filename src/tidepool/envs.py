@@ -52,6 +52,19 @@ def int8_gemm() -> str:
     return value
 
 
+def cpu_attention_matmul() -> str:
+    """TIDEPOOL_CPU_ATTENTION_MATMUL: the products (Q·Kᵀ, P·V) of the CPU attention kernel for
+    the models that allow reduced precision (dtype bfloat16, quantization="int8"; float32 models
+    always keep float32). "auto" (default): the measured choice (attention/backend.py);
+    "float32", "bf16" or "bf16x3" (AMX-bf16 tiles, where the CPU has them)."""
+    value = (os.environ.get("TIDEPOOL_CPU_ATTENTION_MATMUL") or "auto").lower()
+    if value not in ("auto", "float32", "bf16", "bf16x3"):
+        raise ValueError(
+            f"TIDEPOOL_CPU_ATTENTION_MATMUL must be auto, float32, bf16 or bf16x3, got {value!r}"
+        )
+    return value
+
+
 def apply_openmp_defaults() -> bool:
     """OMP_WAIT_POLICY: tidepool sets PASSIVE with a short spin (SPIN_COUNT) unless the user
     chose a policy; returns whether PASSIVE applies.

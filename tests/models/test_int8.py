@@ -71,12 +71,38 @@ def test_int8_vector_does_not_depend_on_its_neighbours(tiny_model_path) -> None:
         torch.testing.assert_close(alone, batched[i], rtol=0, atol=1e-6)
 
 
+def test_the_loader_gives_int8_models_reduced_precision_attention(
+    tiny_model_path, monkeypatch
+) -> None:
+    """The loader attaches the attention once as the model loads (exact: calibration and the
+    load check run on it) and, once the int8 check passed, again with reduced precision
+    (attention/backend.py: AMX-bf16 products where the kernel runs); a float32 model only once.
+    (The tiny models' 8-wide heads run SDPA; test_cpu_attention_amx.py checks the kernel side.)"""
+    from tidepool.models import registry
+
+    calls: list[object] = []
+    real = registry.attach_attention_backend
+
+    def record(model, device, dtype, reduced_precision=None):
+        calls.append(reduced_precision)
+        real(model, device, dtype, reduced_precision)
+
+    monkeypatch.setattr(registry, "attach_attention_backend", record)
+    LLM(str(tiny_model_path("bert")), quantization="int8")
+    assert calls == [None, True]
+    calls.clear()
+    LLM(str(tiny_model_path("bert")))
+    assert calls == [None]
+
+
 def test_failed_load_check_keeps_float32(tiny_model_path, tiny_llm, monkeypatch, caplog) -> None:
     monkeypatch.setattr(quantization, "MIN_LOAD_COSINE", 1.01)  # no int8 model can pass
     with caplog.at_level("WARNING", logger="tidepool"):
         kept = LLM(str(tiny_model_path("bert")), quantization="int8")
     assert "kept float32" in caplog.text
     assert _int8_layers(kept) == 0
+    model = kept.engine.model_runner.model
+    assert getattr(model.attention_backend, "matmul", "float32") == "float32"
     torch.testing.assert_close(_vectors(kept, TEXTS), _vectors(tiny_llm("bert"), TEXTS))
 
 

@@ -29,16 +29,24 @@ Selection of the CPU kernel (cpu_kernels.supports), worked example on an AVX-512
     auto                    cuda    float32   64        512            bucketed_sdpa
     sdpa                    cpu     float32   32        512            bucketed_sdpa
     native                  cpu     float32   32        512            cpu_kernel, or an error
+
+The kernel's products (AttentionSpec.matmul, cpu_kernels.MATMULS): "float32" FMAs (exact, the
+default and the only choice for a float32 model), or on AMX-bf16 tiles "bf16" / "bf16x3" for the
+models that allow reduced precision: the loader asks (`attach_attention_backend(...,
+reduced_precision=True)`, models/interfaces.py) for a bfloat16 model and for the int8 mode, and
+gets `reduced_precision_matmul(dtype)`: TIDEPOOL_CPU_ATTENTION_MATMUL, else REDUCED_MATMUL.
+Where the CPU has no AMX-bf16 the kernel keeps float32. One backend instance per mode.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
+from tidepool import envs
 from tidepool.attention import cpu_decoder_ops, cpu_kernels, paged, torch_backend
 from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.attention.paged_metadata import GroupAttentionMetadata
@@ -57,6 +65,27 @@ class AttentionSpec:
     """Width of one attention head."""
     max_positions: int
     """The longest sequence the model can attend over (max_position_embeddings)."""
+    matmul: str = "float32"
+    """The precision the attention's two products may take (cpu_kernels.MATMULS): "float32"
+    (exact), or "bf16" / "bf16x3" where the model allows reduced precision."""
+
+
+REDUCED_MATMUL = {torch.bfloat16: "bf16", torch.float32: "bf16"}
+"""The products of a model that allows reduced precision, by its dtype (float32: the int8
+mode's activations). Measured in docs/performance.md ("AMX-bf16 products in the attention
+kernel"): bf16 costs the int8 accuracy check nothing measurable and bf16x3 bought no speed."""
+
+
+def reduced_precision_matmul(dtype: torch.dtype) -> str:
+    """The attention products for a bfloat16 / int8 model: TIDEPOOL_CPU_ATTENTION_MATMUL unless
+    "auto", else REDUCED_MATMUL."""
+    chosen = envs.cpu_attention_matmul()
+    return REDUCED_MATMUL.get(dtype, "float32") if chosen == "auto" else chosen
+
+
+def with_reduced_precision(spec: AttentionSpec) -> AttentionSpec:
+    """`spec` for a model that allows reduced-precision attention products."""
+    return replace(spec, matmul=reduced_precision_matmul(spec.dtype))
 
 
 # ----------------------------------------------------------------------------- encoders
@@ -110,6 +139,11 @@ class EncoderAttentionBackend(ABC):
         """q: [num_rows, heads, D], k / v: [num_rows, kv_heads, D] (strided views, kv_heads
         dividing heads) → [num_rows, heads * D]. The transformers backend's layers call this."""
 
+    def for_spec(self, spec: AttentionSpec) -> EncoderAttentionBackend:
+        """The instance that runs `spec` (after `supports(spec)`): this one, unless the backend
+        has one per option of the spec."""
+        return self
+
     def __repr__(self) -> str:
         return f"<{self.name} attention>"
 
@@ -118,23 +152,36 @@ class CpuKernelBackend(EncoderAttentionBackend):
     name = "cpu_kernel"
     packed_layout = True
 
+    def __init__(self, matmul: str = "float32") -> None:
+        self.matmul = matmul
+        """The kernel's products (cpu_kernels.MATMULS)."""
+
     @classmethod
     def supports(cls, spec: AttentionSpec) -> bool:
         return cpu_kernels.supports(spec.device, spec.dtype, spec.head_dim, spec.max_positions)
 
+    def for_spec(self, spec: AttentionSpec) -> EncoderAttentionBackend:
+        if spec.matmul == "float32" or not cpu_kernels.amx_bf16_available():
+            return CPU_KERNEL
+        return CPU_KERNEL_AMX[spec.matmul]
+
     def attend(self, qkv, meta, scale, bias=None):
         q, k, v = qkv.unbind(1)
-        return _kernel(q, k, v, meta, scale, bias=bias)
+        return _kernel(q, k, v, meta, scale, bias=bias, matmul=self.matmul)
 
     def attend_first_tokens(self, qkv, meta, scale, bias=None):
         q, k, v = qkv.unbind(1)
-        return _kernel(q, k, v, meta, scale, first_token_only=True, bias=bias)
+        return _kernel(q, k, v, meta, scale, True, bias, self.matmul)
 
     def attend_heads(self, q, k, v, meta, scale):
         if q.shape[2] not in cpu_kernels.HEAD_DIMS:
             # A layer whose heads differ from the config's (the spec saw those): packed buckets.
             return torch_backend.encoder_attention_heads(q, k, v, meta, scale)
-        return _kernel(q, k, v, meta, scale)
+        return _kernel(q, k, v, meta, scale, matmul=self.matmul)
+
+    def __repr__(self) -> str:
+        suffix = "" if self.matmul == "float32" else f" ({self.matmul} on AMX)"
+        return f"<{self.name} attention{suffix}>"
 
 
 def _kernel(
@@ -145,11 +192,12 @@ def _kernel(
     scale: float,
     first_token_only: bool = False,
     bias: RelativePositionBias | None = None,
+    matmul: str = "float32",
 ) -> torch.Tensor:
     """The kernel over the packed sequences of `meta`, with their key counts."""
     starts, lens, keys = meta.cu_seqlens[:-1], meta.seq_lens_tensor, meta.key_lens_tensor
     return cpu_kernels.encoder_attention(
-        q, k, v, starts, lens, scale, first_token_only, bias, key_lens=keys
+        q, k, v, starts, lens, scale, first_token_only, bias, key_lens=keys, matmul=matmul
     )
 
 
@@ -172,6 +220,7 @@ class BucketedSdpaBackend(EncoderAttentionBackend):
 
 
 CPU_KERNEL = CpuKernelBackend()
+CPU_KERNEL_AMX = {matmul: CpuKernelBackend(matmul) for matmul in ("bf16", "bf16x3")}
 BUCKETED_SDPA = BucketedSdpaBackend()
 
 ENCODER_BACKENDS: dict[str, EncoderAttentionBackend] = {
@@ -184,7 +233,7 @@ def select_encoder_backend(spec: AttentionSpec) -> EncoderAttentionBackend:
     """The first encoder backend (ENCODER_BACKENDS order) that supports `spec`."""
     for backend in ENCODER_BACKENDS.values():
         if backend.supports(spec):
-            return backend
+            return backend.for_spec(spec)
     raise ValueError(f"no encoder attention backend supports {spec}")
 
 

@@ -5,7 +5,11 @@ variable-length sequences: no padding, no mask, each (sequence, head) one task f
 AVX-512 in float32 with float32 or bfloat16 inputs, head_dim 32, 64 or 128, with an optional
 relative position bias read per head by key - query distance (MPNet), and optional key counts
 per sequence (keys are a sequence's first key_lens[i] tokens, queries all of them: ColBERT
-queries whose [MASK] expansion is not attended to). It replaces PyTorch's
+queries whose [MASK] expansion is not attended to). Its two products (scores Q·Kᵀ and P·V) run
+in float32 FMAs (`matmul="float32"`, exact: the default) or, where the CPU has AMX-bf16, on bf16
+tiles: "bf16" rounds Q, K, P and V to bf16 once, "bf16x3" splits each into bf16 hi + lo and sums
+three tile products (float32-like accuracy); the softmax stays float32 in every mode
+(MATMULS; which models get which: attention/backend.py). It replaces PyTorch's
 CPU SDPA for the native encoders because SDPA's flash kernel runs 32- and 64-wide heads as many
 tiny GEMMs (25-60 GFLOP/s here; figures in docs/performance.md). Written by hand deliberately:
 no maintained library offers varlen encoder attention for CPU (vLLM's CPU kernels are part of
@@ -42,6 +46,8 @@ HEAD_DIMS = (32, 64, 128)
 # The op's own check is built from this constant (-DTIDEPOOL_MAX_SEQ_LEN).
 MAX_SEQ_LEN = 2048
 _DTYPES = (torch.float32, torch.bfloat16)
+MATMULS = {"float32": 0, "bf16": 1, "bf16x3": 2}
+"""The kernel's product modes → the op's `matmul` code (csrc/cpu_encoder_attention.cpp)."""
 # tidepool's sources are compiled for AVX-512 (F/BW/DQ/VL); build_or_fall_back runs them only
 # where the CPU has them.
 AVX512_CFLAGS = [
@@ -148,6 +154,14 @@ def load():
     return _state["op"]
 
 
+def amx_bf16_available() -> bool:
+    """Whether the kernel runs its AMX-bf16 modes here (the CPU has AMX-bf16 and AVX512-BF16
+    and the OS granted the tile state); elsewhere they run the float32 path."""
+    if load() is None:
+        return False
+    return bool(torch.ops.tidepool_cpu.amx_bf16_available())
+
+
 def supports(
     device: torch.device, dtype: torch.dtype, head_dim: int, max_seq_len: int = MAX_SEQ_LEN
 ) -> bool:
@@ -173,6 +187,7 @@ def encoder_attention(
     first_token_only: bool = False,
     bias: RelativePositionBias | None = None,
     key_lens: torch.Tensor | None = None,
+    matmul: str = "float32",
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim], k / v: [num_tokens, kv_heads, head_dim] (views with any
     row and head strides, head_dim contiguous; kv_heads dividing heads), sequence i at rows
@@ -180,7 +195,8 @@ def encoder_attention(
     every sequence are left unset), or with `first_token_only` [num_seqs, heads * head_dim]: each
     sequence's first query only, in sequence order. `bias` (relative_bias.py) is added to the
     scores inside the kernel, read by key - query distance. `key_lens` ([num_seqs] int64, each
-    in 1..seq_lens[i]): sequence i's keys are its first key_lens[i] rows; None: all its rows."""
+    in 1..seq_lens[i]): sequence i's keys are its first key_lens[i] rows; None: all its rows.
+    `matmul`: a MATMULS mode (the AMX ones run float32 where amx_bf16_available() is False)."""
     op = load()
     assert op is not None, "check supports() first"
     num_tokens, num_heads, head_dim = q.shape
@@ -203,6 +219,7 @@ def encoder_attention(
         table,
         offset,
         key_lens,
+        MATMULS[matmul],
         out,
     )
     return out

@@ -40,6 +40,7 @@ from tidepool.attention.backend import (
     EncoderAttentionBackend,
     select_decoder_backend,
     select_encoder_backend,
+    with_reduced_precision,
 )
 from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.attention.paged_metadata import PagedAttentionMetadata
@@ -213,11 +214,18 @@ PoolingModel = EncoderModel | DecoderModel
 
 
 def attach_attention_backend(
-    model: EncoderModel | DecoderModel, device: torch.device, dtype: torch.dtype
+    model: EncoderModel | DecoderModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    reduced_precision: bool | None = None,
 ) -> None:
     """The loader's half of the attention contract: select the backend once (device and dtype
-    are final; a CPU kernel builds now, during load) and hand it to the model."""
+    are final; a CPU kernel builds now, during load) and hand it to the model.
+    `reduced_precision`: whether the attention's products may leave float32 (attention/backend.py:
+    the int8 mode asks once its linears are int8); None: for a bfloat16 model."""
     spec = model.attention_spec(device, dtype)
+    if reduced_precision or (reduced_precision is None and dtype == torch.bfloat16):
+        spec = with_reduced_precision(spec)
     if model.is_causal:
         model.set_attention_backend(select_decoder_backend(spec))  # type: ignore[arg-type]
     else:

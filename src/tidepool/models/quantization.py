@@ -4,8 +4,9 @@ loaded encoder's linear layers for int8 ones (models/layers/int8_linear.py), che
 What runs in int8: every `Linear` of the encoder body (fused QKV, attention output, FFN up and
 down; DeBERTa's position projections). What stays float32, and why (docs/performance.md, "int8"):
 the embeddings and LayerNorms (cheap, and their outputs feed the residual stream), attention
-scores, softmax and P·V (tidepool's float32 kernel: 4% of the FLOPs, and softmax is where int8
-errors would grow), the pooler and the classification heads (`nn.Linear`: one row per sequence).
+scores, softmax and P·V (never int8: softmax is where int8 errors would grow; once the load check
+passed, the loader gives the attention AMX-bf16 products with a float32 softmax where the CPU has
+them: attention/backend.py, REDUCED_MATMUL), the pooler and the classification heads (`nn.Linear`: one row per sequence).
 
 Load, in three steps (`quantize_model`, by an `Int8Recipe`):
   1. calibrate: run the float32 model once on a fixed sample (CALIBRATION_TEXTS and random ids);

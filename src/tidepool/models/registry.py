@@ -156,7 +156,9 @@ def build_model(config: ModelConfig) -> nn.Module:
         sequences = calibration_sequences(
             config.path, config.max_model_len, config.hf_config.vocab_size, config.seed
         )
-        quantize_model(model, sequences)
+        if quantize_model(model, sequences).passed:
+            # Calibrated and checked on float32 attention; the int8 model's may be reduced.
+            attach_attention_backend(model, config.device, config.dtype, reduced_precision=True)
     return model
 
 
