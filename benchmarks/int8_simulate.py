@@ -15,6 +15,7 @@ from tidepool.models.layers.activation import get_activation
 from tidepool.models.layers.int8_linear import quantize_per_token
 from tidepool.models.layers.linear import Linear, combine
 from tidepool.models.quantization import Int8Builder, Int8LinearPlan
+from tidepool.models.quantization_weights import WEIGHT_LO_FACTOR
 
 _MIN_SCALE = 1e-12
 
@@ -39,7 +40,14 @@ def quantize_per_token_asymmetric(
 
 
 def fake_quantize(x: torch.Tensor, scheme: str) -> torch.Tensor:
-    """x [T, K] rounded as the kernel's activation quantizer would, back in float32."""
+    """x [T, K] rounded as the kernel's activation quantizer would, back in float32.
+    "asymmetric2" (two-part inputs, an idea not in the kernel): the asymmetric uint8 part, and
+    its rounding error (within ±scale/2) as int8 at scale/254, for a second GEMM."""
+    if scheme == "asymmetric2":
+        q, scale, zero = quantize_per_token_asymmetric(x)
+        high = (q.float() - zero.float()) * scale
+        step = scale / WEIGHT_LO_FACTOR
+        return high + torch.round((x - high) / step).clamp_(-127, 127) * step
     if scheme == "symmetric":
         q, scale = quantize_per_token(x)  # tidepool's own quantizer (models/layers/int8_linear.py)
         return q.float() * scale
@@ -90,13 +98,16 @@ class SimulatedInt8Linear(nn.Module):
 
 
 def simulated_builder(weights: str, inputs: str) -> Int8Builder:
-    """A `quantize_model` builder: `weights` "int8" (the plan's) or "float" (float32, smoothed
-    as planned); `inputs` "plan" (asymmetric where the plan says, else symmetric),
-    "symmetric", "asymmetric" or "float"."""
+    """A `quantize_model` builder: `weights` "int8" (the plan's: s·hi, or s·(hi + lo/254) for a
+    two-part plan) or "float" (float32, smoothed as planned); `inputs` "plan" (asymmetric where
+    the plan says, else symmetric), "symmetric", "asymmetric", "asymmetric2" or "float"."""
 
     def build(linear: Linear, plan: Int8LinearPlan) -> nn.Module:
         if weights == "int8":
-            weight = plan.weight_q.float() * plan.weight_scale[:, None]
+            weight = plan.weight_q.float()
+            if plan.weight_lo is not None:
+                weight = weight + plan.weight_lo.float() / WEIGHT_LO_FACTOR
+            weight = weight * plan.weight_scale[:, None]
         else:
             weight = linear.weight.detach().float()
             if plan.input_smoothing is not None:

@@ -22,9 +22,11 @@ Load, in three steps (`quantize_model`, by an `Int8Recipe`):
 
 from __future__ import annotations
 
+import inspect
 import logging
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +36,12 @@ from tidepool.attention.metadata import build_encoder_metadata
 from tidepool.models.int8_chains import link_handoffs
 from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
 from tidepool.models.layers.linear import Linear
-from tidepool.models.quantization_weights import gptq, input_second_moments, round_to_nearest
+from tidepool.models.quantization_weights import (
+    gptq,
+    input_second_moments,
+    round_to_nearest,
+    split_weight,
+)
 
 logger = logging.getLogger("tidepool")
 
@@ -69,6 +76,23 @@ SMOOTHED_LINEARS = ("qkv", "intermediate.dense")
 (attention output, FFN down) take their input as it is: all-MiniLM-L6-v2, 400 texts, smoothing
 every linear 0.9945 / 0.9979 (cos min / mean), only these 0.9961 / 0.9980, one pass less each
 for the other two."""
+
+FFN_DOWN = r"layer\.\d+\.output\.dense"
+"""BERT-family FFN down as a `matches_linears` pattern ("output.dense" alone also matches the
+attention output)."""
+
+TWO_PART_LINEARS: tuple[str, ...] = ()
+"""The linears whose weights are two-part int8 (W ≈ s·(hi + lo/254), two int8 GEMMs: ~15-bit
+weights): the layers whose weight rounding costs the most retrieval accuracy
+(docs/performance.md, "int8")."""
+
+
+def matches_linears(name: str, patterns: tuple[str, ...]) -> bool:
+    """A linear's module name ends with one of `patterns`, each a regex matched at the end of
+    the name: a plain suffix ("qkv", "intermediate.dense") or e.g. FFN_DOWN (BERT's FFN down,
+    "encoder.layer.3.output.dense", but not its attention output, "...attention.output.dense")."""
+    return any(re.search(f"(?:{p})$", name) for p in patterns)
+
 
 MIN_LOAD_COSINE = 0.99
 """The lowest cosine (int8 vs float32, per sample sequence) the load check accepts."""
@@ -190,7 +214,16 @@ class Int8Recipe:
     smoothing_alpha: float = SMOOTHING_ALPHA
     """SmoothQuant's migration strength for `smoothed_linears`."""
     smoothed_linears: tuple[str, ...] = SMOOTHED_LINEARS
-    """Name suffixes of the linears whose inputs are smoothed."""
+    """The linears whose inputs are smoothed (name suffixes, `matches_linears`)."""
+    two_part_linears: tuple[str, ...] = TWO_PART_LINEARS
+    """The linears with two-part int8 weights (name suffixes, `matches_linears`; the smoothed
+    weight where smoothing applies too)."""
+    two_part_alpha: float | None = None
+    """SmoothQuant's alpha on the smoothed two-part linears (None: `smoothing_alpha`): their
+    weights are fine enough to take more of the inputs' outliers."""
+    two_part_hi: str = "nearest"
+    """A two-part weight's high part: "nearest" (no GPTQ: lo holds the rest to 1/508 of a step)
+    or "gptq" (GPTQ's, lo holding what is left of its error, clamped to ±1/2 step)."""
     asymmetric_inputs: str = "all"
     """Which linears quantize their input asymmetric per token (uint8 and a zero point):
     "none", "one_sided" (calibration inputs' min >= -ONE_SIDED_RATIO · max: a GELU / ReLU
@@ -222,6 +255,9 @@ class Int8LinearPlan:
     """Quantize the input per token as uint8 with a zero point instead of symmetric int8."""
     input_range: tuple[float, float]
     """The calibration inputs' (min, max), after smoothing."""
+    weight_lo: torch.Tensor | None = None
+    """[N, K] int8, two-part weights only: the smoothed weight is
+    weight_scale[:, None] · (weight_q + weight_lo / WEIGHT_LO_FACTOR)."""
 
 
 Int8Builder = Callable[[Linear, Int8LinearPlan], nn.Module]
@@ -229,10 +265,19 @@ Int8Builder = Callable[[Linear, Int8LinearPlan], nn.Module]
 
 def build_int8_linear(linear: Linear, plan: Int8LinearPlan) -> nn.Module:
     """The `Int8Linear` for a plan."""
+    # Passed only when set: a one-part plan builds with any Int8Linear.
+    extra = {} if plan.weight_lo is None else {"weight_lo": plan.weight_lo}
     return Int8Linear(
         plan.weight_q, plan.weight_scale, linear.bias, linear.activation, plan.input_smoothing,
-        asym=plan.asymmetric_input,
+        asym=plan.asymmetric_input, **extra,
     )  # fmt: skip
+
+
+def two_part_kernel() -> bool:
+    """This tree's Int8Linear takes two-part weights (`weight_lo`); until it does, the real
+    path plans every linear one-part (the simulated ones, benchmarks/int8_simulate.py, take
+    two-part plans either way)."""
+    return "weight_lo" in inspect.signature(Int8Linear).parameters
 
 
 def quantize_model(
@@ -245,6 +290,8 @@ def quantize_model(
     in place, calibrated on the even `sequences` and checked on the odd ones, unless the check
     fails (then the float32 layers stay, with a warning). Returns the check's figures."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    if build is build_int8_linear and recipe.two_part_linears and not two_part_kernel():
+        recipe = replace(recipe, two_part_linears=())
     calibration, held_out = sequences[0::2], sequences[1::2]
     plans = _calibrate(model, linears, calibration, recipe)
     reference = _mean_pooled(model, held_out)
@@ -297,7 +344,9 @@ def _calibrate(
     def record(name: str):
         def hook(module: nn.Module, args: tuple) -> None:
             x = args[0].detach().reshape(-1, args[0].shape[-1])
-            plans[name] = plan_linear(module, x, recipe, name.endswith(recipe.smoothed_linears))
+            smoothed = matches_linears(name, recipe.smoothed_linears)
+            two_part = matches_linears(name, recipe.two_part_linears)
+            plans[name] = plan_linear(module, x, recipe, smoothed, two_part)
 
         return hook
 
@@ -311,30 +360,37 @@ def _calibrate(
 
 
 def plan_linear(
-    linear: Linear, x: torch.Tensor, recipe: Int8Recipe, smoothed: bool
+    linear: Linear, x: torch.Tensor, recipe: Int8Recipe, smoothed: bool, two_part: bool = False
 ) -> Int8LinearPlan:
-    """One linear's plan from its calibration inputs x [T, K]."""
+    """One linear's plan from its calibration inputs x [T, K] (`two_part`: hi and lo weights)."""
     weight = linear.weight.detach().float()
     smoothing = None
     if smoothed:
         # SmoothQuant: c_k = amax_k^α / max_n |W_nk|^(1-α); W·c, and the inputs times 1/c.
+        alpha = recipe.smoothing_alpha
+        if two_part and recipe.two_part_alpha is not None:
+            alpha = recipe.two_part_alpha
         w_amax = weight.abs().amax(dim=0).clamp(min=1e-5)
-        c = x.abs().amax(dim=0).clamp(min=1e-5).pow(recipe.smoothing_alpha)
-        c = c / w_amax.pow(1.0 - recipe.smoothing_alpha)
+        c = x.abs().amax(dim=0).clamp(min=1e-5).pow(alpha) / w_amax.pow(1.0 - alpha)
         weight, smoothing = weight * c, 1.0 / c
         x = x * smoothing
     low, high = float(x.min()), float(x.max())
     asymmetric = recipe.asymmetric_inputs == "all" or (
         recipe.asymmetric_inputs == "one_sided" and low >= -ONE_SIDED_RATIO * high
     )
-    if recipe.weight_rounding == "gptq":
+    weight_lo = None
+    if two_part and recipe.two_part_hi == "nearest":
+        weight_q, weight_lo, weight_scale = split_weight(weight)
+    elif recipe.weight_rounding == "gptq" or two_part:
         hessian = input_second_moments(x)
         if recipe.gptq_input_noise:
             hessian.diagonal().add_(_input_rounding_noise(x, asymmetric))
         weight_q, weight_scale = gptq(weight, hessian, recipe.gptq_damping, recipe.clip_search)
+        if two_part:
+            weight_q, weight_lo, weight_scale = split_weight(weight, weight_q, weight_scale)
     else:
         weight_q, weight_scale = round_to_nearest(weight)
-    return Int8LinearPlan(weight_q, weight_scale, smoothing, asymmetric, (low, high))
+    return Int8LinearPlan(weight_q, weight_scale, smoothing, asymmetric, (low, high), weight_lo)
 
 
 def _input_rounding_noise(x: torch.Tensor, asymmetric: bool) -> float:
