@@ -192,9 +192,7 @@ def _measure(
             simulated.input_scheme = "asymmetric2"
     share = _flop_share(model, check.plans)
     try:
-        return [seconds, check, share] + [
-            agreement(embed(llm, s.texts), s.reference) for s in sets
-        ]
+        return [seconds, check, share] + [agreement(embed(llm, s.texts), s.reference) for s in sets]
     finally:
         for name, linear in originals.items():
             quantization._set_submodule(model, name, linear)

@@ -14,8 +14,8 @@ from tidepool import LLM
 from tidepool.entrypoints.cli import build_parser
 from tidepool.entrypoints.cli_args import _engine_kwargs
 from tidepool.models import quantization, quantization_weights
-from tidepool.models.layers.linear import Linear
 from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
+from tidepool.models.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(not int8_gemm_available(), reason="no oneDNN int8 linear")
 

@@ -8,9 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import torch
-
 import pytest
+import torch
 
 from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
 from tidepool.models.quantization import FFN_DOWN, matches_linears, two_part_kernel
@@ -144,16 +143,19 @@ def test_split_weight_keeps_a_given_high_part() -> None:
     restored = scale[:, None] * (hi.float() + lo.float() / WEIGHT_LO_FACTOR)
     error = (weight - restored).abs()
     inside = units.abs() <= 0.5
-    assert (error[inside] <= (scale[:, None] / (2 * WEIGHT_LO_FACTOR) * 1.01).expand_as(error)[
-        inside
-    ]).all()
+    assert (
+        error[inside] <= (scale[:, None] / (2 * WEIGHT_LO_FACTOR) * 1.01).expand_as(error)[inside]
+    ).all()
     # Where GPTQ's error exceeds half a step, lo clamps at ±127: what remains is the excess.
     excess = (units.abs() - 127 / WEIGHT_LO_FACTOR).clamp(min=0) * scale[:, None]
     torch.testing.assert_close(error[~inside], excess[~inside], atol=1e-5, rtol=1e-3)
 
 
 def test_linear_patterns_match_at_the_end_of_the_name() -> None:
-    ffn_down, attention_out = "encoder.layer.3.output.dense", "encoder.layer.3.attention.output.dense"
+    ffn_down, attention_out = (
+        "encoder.layer.3.output.dense",
+        "encoder.layer.3.attention.output.dense",
+    )
     assert matches_linears(ffn_down, (FFN_DOWN,))
     assert not matches_linears(attention_out, (FFN_DOWN,))
     assert matches_linears(attention_out, ("output.dense",))  # a plain suffix matches both
