@@ -164,6 +164,27 @@ def test_linear_patterns_match_at_the_end_of_the_name() -> None:
     assert not matches_linears("encoder.layer.0.attention.self.qkv", ())
 
 
+def test_default_two_part_linears_are_all_but_the_attention_output() -> None:
+    from tidepool.models.quantization import DEFAULT_RECIPE
+
+    patterns = DEFAULT_RECIPE.two_part_linears
+    for name in (
+        "encoder.layer.5.attention.self.qkv",
+        "encoder.layer.5.intermediate.dense",
+        "encoder.layer.5.output.dense",
+        "encoder.block.0.layer.0.SelfAttention.qkv",  # T5
+        "encoder.block.0.layer.1.DenseReluDense.wi_1",
+        "encoder.block.0.layer.1.DenseReluDense.wo",
+    ):
+        assert matches_linears(name, patterns), name
+    for name in (
+        "encoder.layer.5.attention.output.dense",
+        "encoder.block.0.layer.0.SelfAttention.o",
+        "encoder.layer.5.attention.self.pos_key_proj",  # DeBERTa
+    ):
+        assert not matches_linears(name, patterns), name
+
+
 @pytest.mark.skipif(
     not (int8_gemm_available() and two_part_kernel()), reason="Int8Linear takes no weight_lo yet"
 )

@@ -12,9 +12,11 @@ Load, in three steps (`quantize_model`, by an `Int8Recipe`):
      as each linear's inputs go by, plan it (`Int8LinearPlan`): QKV's and FFN-up's inputs
      divided per channel by a factor folded into the weight (SmoothQuant: c_k = amax_k^α /
      max_n |W_nk|^(1-α)), which moves the LayerNorm outputs' outlier channels into the weights,
-     where each output channel has its own scale; the int8 weights rounded by GPTQ from the
-     inputs' Xᵀ X (models/quantization_weights.py); the activation scheme per token
-     (asymmetric uint8 + zero point, or symmetric int8);
+     where each output channel has its own scale; the int8 weights: two-part on
+     `two_part_linears` (W ≈ s·(hi + lo/254), two int8 GEMMs, ~15-bit weights: then smoothed
+     harder, alpha `two_part_alpha`, since the weight takes the outliers at no loss), else
+     rounded by GPTQ from the inputs' Xᵀ X (models/quantization_weights.py); the activation
+     scheme per token (asymmetric uint8 + zero point, or symmetric int8);
   2. swap: each `Linear` → the int8 layer its plan builds;
   3. check: the int8 model's mean-pooled states against float32 on a second sample; below
      `MIN_LOAD_COSINE` the float32 layers stay, with a warning.
@@ -81,10 +83,24 @@ FFN_DOWN = r"layer\.\d+\.output\.dense"
 """BERT-family FFN down as a `matches_linears` pattern ("output.dense" alone also matches the
 attention output)."""
 
-TWO_PART_LINEARS: tuple[str, ...] = ()
+TWO_PART_LINEARS: tuple[str, ...] = (
+    "qkv",
+    "intermediate.dense",
+    FFN_DOWN,
+    r"\.wi(_[01])?",
+    r"\.wo",
+)
 """The linears whose weights are two-part int8 (W ≈ s·(hi + lo/254), two int8 GEMMs: ~15-bit
-weights): the layers whose weight rounding costs the most retrieval accuracy
-(docs/performance.md, "int8")."""
+weights): every linear but the attention output (BERT family: QKV, FFN up, FFN down; T5: qkv,
+wi / wi_0 / wi_1, wo), 92% of MiniLM's linear FLOPs. all-MiniLM-L6-v2, 1,000 corpus texts on two
+text sets, top-10 overlap (simulated asymmetric inputs): 0.955 / 0.958 (every linear two-part:
+0.959 / 0.957; QKV + attention output + FFN down, 67%: 0.951 / 0.949; QKV + FFN down, 58%:
+0.949 / 0.952; none: 0.935 / 0.935): docs/performance.md, "int8", round three."""
+
+TWO_PART_ALPHA = 0.8
+"""SmoothQuant's alpha on the smoothed two-part linears (QKV, FFN up): two-part weights take the
+inputs' outliers at no loss. Every linear two-part, top-10 overlap 0.953 / 0.954 at 0.5, 0.959 /
+0.957 at 0.8, 0.956 / 0.954 at 1.0."""
 
 
 def matches_linears(name: str, patterns: tuple[str, ...]) -> bool:
@@ -218,7 +234,7 @@ class Int8Recipe:
     two_part_linears: tuple[str, ...] = TWO_PART_LINEARS
     """The linears with two-part int8 weights (name suffixes, `matches_linears`; the smoothed
     weight where smoothing applies too)."""
-    two_part_alpha: float | None = None
+    two_part_alpha: float | None = TWO_PART_ALPHA
     """SmoothQuant's alpha on the smoothed two-part linears (None: `smoothing_alpha`): their
     weights are fine enough to take more of the inputs' outliers."""
     two_part_hi: str = "nearest"
@@ -231,11 +247,15 @@ class Int8Recipe:
 
 
 DEFAULT_RECIPE = Int8Recipe()
-"""GPTQ (damping 0.3), smoothing on QKV / FFN up at alpha 0.5, every input asymmetric:
-all-MiniLM-L6-v2, 1,000 corpus texts, cos mean 0.99923, top-10 overlap 0.940 / 0.932 on two
-text sets (simulated asymmetric; the first recipe, round to nearest with symmetric inputs:
-0.99801, 0.907): docs/performance.md, "int8". The clipping search, noise-aware GPTQ, more
-random-id calibration, smoothing all four linears, alpha 0.65 measured no better."""
+"""Two-part weights on QKV, FFN up and FFN down (smoothed at alpha 0.8 where smoothed), GPTQ
+(damping 0.3) on the attention output, smoothing on QKV / FFN up, every input asymmetric:
+all-MiniLM-L6-v2, 1,000 corpus texts, cos min / mean 0.99919 / 0.99968, top-10 overlap 0.955 /
+0.958 on two text sets (simulated asymmetric inputs, which match the real kernel to 4 decimals;
+one-part GPTQ everywhere: 0.99923 mean, 0.935; the first recipe, round to nearest with symmetric
+inputs: 0.99801, 0.907): docs/performance.md, "int8". The clipping search, noise-aware GPTQ, more
+random-id calibration, smoothing all four linears, alpha 0.65 on one-part weights, two-part
+inputs on the attention output measured no better. Until Int8Linear takes `weight_lo`
+(`two_part_kernel`), the real layers plan every linear one-part (GPTQ)."""
 
 ONE_SIDED_RATIO = 0.25
 """An input whose most negative value is above -this · its largest is "one-sided"."""
@@ -257,7 +277,10 @@ class Int8LinearPlan:
     """The calibration inputs' (min, max), after smoothing."""
     weight_lo: torch.Tensor | None = None
     """[N, K] int8, two-part weights only: the smoothed weight is
-    weight_scale[:, None] · (weight_q + weight_lo / WEIGHT_LO_FACTOR)."""
+    weight_scale[:, None] · (weight_q + weight_lo / WEIGHT_LO_FACTOR), so with the same
+    quantized input q (x ≈ s_x·(q - z)) the layer computes
+    s_x · w_scale · (q·hiᵀ + (q·loᵀ) / 254) - (s_x·z) · w_scale · (Σ_k hi + Σ_k lo / 254) + b,
+    the two int32 products combined in float32 (254 · q·hiᵀ can overflow int32)."""
 
 
 Int8Builder = Callable[[Linear, Int8LinearPlan], nn.Module]
