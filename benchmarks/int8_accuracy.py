@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from corpus import make_corpus  # noqa: E402
-from int8_simulate import SimulatedInt8Linear, simulated_builder  # noqa: E402
+from int8_simulate import SimulatedInt8Linear, simulated_builder, two_gemm_build  # noqa: E402
 
 from tidepool import LLM  # noqa: E402
 from tidepool.models import quantization  # noqa: E402
@@ -91,6 +91,9 @@ class Variant:
     inputs: str | None = None
     """None: tidepool's Int8Linear (the real kernel); else the simulated activation quantizer:
     "plan", "symmetric", "asymmetric" or "float" (int8_simulate.py)."""
+    two_gemm: bool = False
+    """Real kernels, a two-part linear as two one-part Int8Linears (hi, lo) summed
+    (int8_simulate.TwoGemmInt8Linear): the two-part kernel's arithmetic before it exists."""
 
 
 NEAREST = Int8Recipe(weight_rounding="nearest")
@@ -107,6 +110,7 @@ VARIANTS = {
     "nearest-asym": Variant(NEAREST, inputs="asymmetric"),
     # GPTQ weights.
     "gptq": Variant(Int8Recipe()),
+    "gptq-two-gemm": Variant(Int8Recipe(), two_gemm=True),
     "gptq-weights-only": Variant(Int8Recipe(), inputs="float"),
     "gptq-asym-one-sided": Variant(Int8Recipe(asymmetric_inputs="one_sided"), inputs="plan"),
     "gptq-asym": Variant(Int8Recipe(), inputs="asymmetric"),
@@ -178,6 +182,8 @@ def _measure(
     build = build_int8_linear
     if variant.inputs is not None:
         build = simulated_builder(variant.weights, variant.inputs)
+    if variant.two_gemm:
+        build = two_gemm_build
     recipe = replace(variant.recipe, **overrides)
     start = time.perf_counter()
     check = quantize_model(model, sequences, recipe, build)

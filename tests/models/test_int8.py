@@ -245,7 +245,8 @@ def test_minilm_int8_accuracy_on_the_corpus(minilm_path: Path) -> None:
         len(set(a.tolist()) & set(b.tolist()))
         for a, b in zip(top10(vectors), top10(reference), strict=True)
     )
-    # Measured 0.91 on 1,000 texts with symmetric activations (issue 17 asks 0.95; bfloat16
-    # gives 0.98, GPTQ int8 weights with float32 activations 0.94, asymmetric activations 0.93:
-    # docs/performance.md, "int8"). This guards against a regression.
-    assert shared / (10 * len(texts)) >= 0.85
+    # One-part weights (until Int8Linear takes weight_lo): 0.952 on these 200 texts, 0.935 on
+    # 1,000. Two-part (the default recipe, simulated): 0.973 here, 0.955 / 0.958 on 1,000
+    # (issue 17 asks 0.95: docs/performance.md, "int8", round three).
+    floor = 0.95 if quantization.two_part_kernel() else 0.9
+    assert shared / (10 * len(texts)) >= floor
