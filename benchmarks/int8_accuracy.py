@@ -204,7 +204,7 @@ def _measure(
             quantization._set_submodule(model, name, linear)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
     parser.add_argument("--texts", type=int, default=1000)
@@ -229,8 +229,12 @@ def main() -> None:
     parser.add_argument("--two-part-hi", help="override two_part_hi: nearest or gptq")
     parser.add_argument("--two-part-inputs", help="regex: simulated linears with two-part inputs")
     parser.add_argument("--bf16", action="store_true", help="also bfloat16, for scale")
-    args = parser.parse_args()
-    overrides = {}
+    return parser.parse_args()
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    """The recipe fields the flags override."""
+    overrides: dict = {}
     if args.alpha is not None:
         overrides["smoothing_alpha"] = args.alpha
     if args.damping is not None:
@@ -248,6 +252,12 @@ def main() -> None:
         overrides["two_part_alpha"] = args.two_part_alpha
     if args.two_part_hi is not None:
         overrides["two_part_hi"] = args.two_part_hi
+    return overrides
+
+
+def main() -> None:
+    args = _parse_args()
+    overrides = _overrides(args)
     sets_of_two_part = [("default", None)]
     if args.two_part is not None:
         sets_of_two_part = two_part_sets(args.two_part)

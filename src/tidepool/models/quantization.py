@@ -250,9 +250,10 @@ DEFAULT_RECIPE = Int8Recipe()
 """Two-part weights on QKV, FFN up and FFN down (smoothed at alpha 0.8 where smoothed), GPTQ
 (damping 0.3) on the attention output, smoothing on QKV / FFN up, every input asymmetric:
 all-MiniLM-L6-v2, 1,000 corpus texts, cos min / mean 0.99919 / 0.99968, top-10 overlap 0.955 /
-0.958 on two text sets (simulated asymmetric inputs, which match the real kernel to 4 decimals;
-one-part GPTQ everywhere: 0.99923 mean, 0.935; the first recipe, round to nearest with symmetric
-inputs: 0.99801, 0.907): docs/performance.md, "int8". The clipping search, noise-aware GPTQ, more
+0.958 on two text sets (simulated asymmetric inputs; on today's kernels as two Int8Linears per
+two-part linear: 0.953 / 0.958; one-part GPTQ everywhere: 0.99923 mean, 0.935; the first recipe,
+round to nearest with symmetric inputs: 0.99801, 0.907): docs/performance.md, "int8". The
+clipping search, noise-aware GPTQ, more
 random-id calibration, smoothing all four linears, alpha 0.65 on one-part weights, two-part
 inputs on the attention output measured no better. Until Int8Linear takes `weight_lo`
 (`two_part_kernel`), the real layers plan every linear one-part (GPTQ)."""
