@@ -11,6 +11,13 @@ float32. Issue 17's targets on all-MiniLM-L6-v2: cos mean >= 0.995, min >= 0.99,
     python benchmarks/int8_accuracy.py [--model PATH] [--texts 1000] [--seeds 0,1]
         [--variants nearest,gptq,gptq-asym] [--only REGEX] [--alpha A] [--smoothed SUFFIXES]
         [--damping D] [--clip] [--random-per-text N] [--asym-inputs none|one_sided|all] [--bf16]
+        [--two-part 'SET;SET;...'] [--two-part-hi nearest|gptq] [--two-part-inputs REGEX]
+
+`--two-part`: each variant runs once per set of two-part linears (W ≈ s·(hi + lo/254)); a set is
+"none", or roles / regexes joined by "+": qkv, attn-out, ffn-up, ffn-down, all (TWO_PART_ROLES),
+e.g. 'none;qkv;ffn-down;qkv+ffn-down'. The row prints the set's share of the linear FLOPs.
+`--two-part-inputs REGEX` (simulated variants): those linears' inputs are two-part too (uint8 and
+its rounding error at 1/254 of a step: int8_simulate.py's "asymmetric2").
 """
 
 from __future__ import annotations
@@ -26,13 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from corpus import make_corpus  # noqa: E402
-from int8_simulate import simulated_builder  # noqa: E402
+from int8_simulate import SimulatedInt8Linear, simulated_builder, two_gemm_build  # noqa: E402
 
 from tidepool import LLM  # noqa: E402
 from tidepool.models import quantization  # noqa: E402
 from tidepool.models.interfaces import attach_attention_backend  # noqa: E402
 from tidepool.models.layers.linear import Linear  # noqa: E402
 from tidepool.models.quantization import (  # noqa: E402
+    FFN_DOWN,
     Int8Recipe,
     build_int8_linear,
     calibration_sequences,
@@ -84,6 +92,9 @@ class Variant:
     inputs: str | None = None
     """None: tidepool's Int8Linear (the real kernel); else the simulated activation quantizer:
     "plan", "symmetric", "asymmetric" or "float" (int8_simulate.py)."""
+    two_gemm: bool = False
+    """Real kernels, a two-part linear as two one-part Int8Linears (hi, lo) summed
+    (int8_simulate.TwoGemmInt8Linear): the two-part kernel's arithmetic before it exists."""
 
 
 NEAREST = Int8Recipe(weight_rounding="nearest")
@@ -100,12 +111,39 @@ VARIANTS = {
     "nearest-asym": Variant(NEAREST, inputs="asymmetric"),
     # GPTQ weights.
     "gptq": Variant(Int8Recipe()),
+    "gptq-two-gemm": Variant(Int8Recipe(), two_gemm=True),
     "gptq-weights-only": Variant(Int8Recipe(), inputs="float"),
     "gptq-asym-one-sided": Variant(Int8Recipe(asymmetric_inputs="one_sided"), inputs="plan"),
     "gptq-asym": Variant(Int8Recipe(), inputs="asymmetric"),
     "gptq-plan": Variant(Int8Recipe(), inputs="plan"),
     "float-weights-plan": Variant(Int8Recipe(), weights="float", inputs="plan"),
 }
+
+
+TWO_PART_ROLES = {
+    "qkv": "qkv",
+    "attn-out": r"attention\.output\.dense",
+    "ffn-up": r"intermediate\.dense",
+    "ffn-down": FFN_DOWN,
+    "all": ".*",
+}
+"""--two-part's role names (BERT-family module names) → `matches_linears` patterns."""
+
+
+def two_part_sets(spec: str) -> list[tuple[str, tuple[str, ...]]]:
+    """'none;qkv+ffn-down' → [("none", ()), ("qkv+ffn-down", ("qkv", FFN_DOWN))]."""
+    sets = []
+    for label in spec.split(";"):
+        names = [] if label == "none" else label.split("+")
+        sets.append((label, tuple(TWO_PART_ROLES.get(n, n) for n in names)))
+    return sets
+
+
+def _flop_share(model: torch.nn.Module, plans: dict) -> float:
+    """The two-part linears' share of the int8 linears' FLOPs (N · K each per token)."""
+    sizes = {n: m.in_features * m.out_features for n, m in model.named_modules() if n in plans}
+    total = sum(sizes.values())
+    return sum(sizes[n] for n, p in plans.items() if p.weight_lo is not None) / total
 
 
 @dataclass(frozen=True)
@@ -127,9 +165,11 @@ def _measure(
     sets: list[TextSet],
     only: str | None,
     random_per_text: int = 1,
+    two_part_inputs: str | None = None,
 ) -> list:
     """Quantize the float32 model in place by `variant` (only the linears whose name matches
-    the regex `only`, when given), return (load seconds, check, agreements per set), and put
+    the regex `only`, when given; simulated layers matching `two_part_inputs` take two-part
+    inputs), return (load seconds, check, two-part FLOP share, agreements per set), and put
     the float32 layers back."""
     model = llm.engine.model_runner.model
     originals = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
@@ -143,6 +183,8 @@ def _measure(
     build = build_int8_linear
     if variant.inputs is not None:
         build = simulated_builder(variant.weights, variant.inputs)
+    if variant.two_gemm:
+        build = two_gemm_build
     recipe = replace(variant.recipe, **overrides)
     start = time.perf_counter()
     check = quantize_model(model, sequences, recipe, build)
@@ -150,18 +192,24 @@ def _measure(
     for name, linear in originals.items():
         if only is not None and not re.search(only, name):
             quantization._set_submodule(model, name, linear)
+            check.plans.pop(name, None)
+        elif two_part_inputs is not None and re.search(two_part_inputs, name):
+            simulated = model.get_submodule(name)
+            assert isinstance(simulated, SimulatedInt8Linear), "--two-part-inputs: simulated only"
+            simulated.input_scheme = "asymmetric2"
+    share = _flop_share(model, check.plans)
     # The attention the loader gives an int8 model (TIDEPOOL_CPU_ATTENTION_MATMUL chooses).
     attach_attention_backend(model, config.device, config.dtype, reduced_precision=True)
     print(f"  attention: {model.attention_backend}", flush=True)
     try:
-        return [seconds, check] + [agreement(embed(llm, s.texts), s.reference) for s in sets]
+        return [seconds, check, share] + [agreement(embed(llm, s.texts), s.reference) for s in sets]
     finally:
         for name, linear in originals.items():
             quantization._set_submodule(model, name, linear)
         attach_attention_backend(model, config.device, config.dtype, reduced_precision=False)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
     parser.add_argument("--texts", type=int, default=1000)
@@ -173,15 +221,25 @@ def main() -> None:
     parser.add_argument("--input-noise", action="store_true", help="GPTQ: noise-aware Xᵀ X")
     parser.add_argument("--clip", action="store_true", help="GPTQ with the clipping search")
     parser.add_argument("--asym-inputs", help="override asymmetric_inputs (plan inputs)")
-    parser.add_argument("--smoothed", help="override the smoothed linears (comma suffixes)")
+    parser.add_argument(
+        "--smoothed", help="override the smoothed linears (comma suffixes or --two-part roles)"
+    )
     parser.add_argument(
         "--only",
         help="quantize only the linears matching this regex, e.g. 'attention\\.self\\.qkv', "
         "'attention\\.output', 'intermediate', 'layer\\.\\d+\\.output'",
     )
+    parser.add_argument("--two-part", help="sets of two-part linears, ';'-separated (see above)")
+    parser.add_argument("--two-part-alpha", type=float, help="alpha on smoothed two-part linears")
+    parser.add_argument("--two-part-hi", help="override two_part_hi: nearest or gptq")
+    parser.add_argument("--two-part-inputs", help="regex: simulated linears with two-part inputs")
     parser.add_argument("--bf16", action="store_true", help="also bfloat16, for scale")
-    args = parser.parse_args()
-    overrides = {}
+    return parser.parse_args()
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    """The recipe fields the flags override."""
+    overrides: dict = {}
     if args.alpha is not None:
         overrides["smoothing_alpha"] = args.alpha
     if args.damping is not None:
@@ -193,7 +251,21 @@ def main() -> None:
     if args.asym_inputs is not None:
         overrides["asymmetric_inputs"] = args.asym_inputs
     if args.smoothed is not None:
-        overrides["smoothed_linears"] = tuple(x for x in args.smoothed.split(",") if x)
+        names = (x for x in args.smoothed.split(",") if x)
+        overrides["smoothed_linears"] = tuple(TWO_PART_ROLES.get(n, n) for n in names)
+    if args.two_part_alpha is not None:
+        overrides["two_part_alpha"] = args.two_part_alpha
+    if args.two_part_hi is not None:
+        overrides["two_part_hi"] = args.two_part_hi
+    return overrides
+
+
+def main() -> None:
+    args = _parse_args()
+    overrides = _overrides(args)
+    sets_of_two_part = [("default", None)]
+    if args.two_part is not None:
+        sets_of_two_part = two_part_sets(args.two_part)
     llm = LLM(model=args.model)
     sets = []
     for seed in (int(x) for x in args.seeds.split(",")):
@@ -203,25 +275,32 @@ def main() -> None:
         f"{args.model}, {args.texts} corpus texts per seed, against tidepool float32; {overrides}"
     )
     header = "".join(f" | seed {s.seed}: cos min, mean, top-10" for s in sets)
-    print(f"{'variant':30} {'load s':>6} {'check min':>9}{header}")
+    print(f"{'variant':44} {'load s':>6} {'check min':>9} {'2-part':>6}{header}")
     if args.bf16:
         bf16 = LLM(model=args.model, dtype="bfloat16")
         _print_row(
             "bfloat16", 0.0, None, [agreement(embed(bf16, s.texts), s.reference) for s in sets]
         )
     for name in args.variants.split(","):
-        seconds, check, *results = _measure(
-            llm, VARIANTS[name], overrides, sets, args.only, args.random_per_text
-        )
-        _print_row(name, seconds, check, results)
+        for label, two_part in sets_of_two_part:
+            extra = {} if two_part is None else {"two_part_linears": two_part}
+            seconds, check, share, *results = _measure(
+                llm, VARIANTS[name], {**overrides, **extra}, sets, args.only,
+                args.random_per_text, args.two_part_inputs,
+            )  # fmt: skip
+            row = name if two_part is None else f"{name} 2p={label}"
+            _print_row(row, seconds, check, results, share)
 
 
-def _print_row(name: str, seconds: float, check, results: list[Agreement]) -> None:
+def _print_row(
+    name: str, seconds: float, check, results: list[Agreement], share: float | None = None
+) -> None:
     cells = "".join(
         f" | {r.min_cosine:.5f} {r.mean_cosine:.5f} {r.top10_overlap:.4f}" for r in results
     )
     check_min = f"{check.min_cosine:9.5f}" if check is not None else " " * 9
-    print(f"{name:30} {seconds:6.2f} {check_min}{cells}", flush=True)
+    share_cell = f"{share:6.0%}" if share is not None else " " * 6
+    print(f"{name:44} {seconds:6.2f} {check_min} {share_cell}{cells}", flush=True)
 
 
 if __name__ == "__main__":

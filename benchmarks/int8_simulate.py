@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from tidepool.models.layers.activation import get_activation
-from tidepool.models.layers.int8_linear import quantize_per_token
+from tidepool.models.layers.int8_linear import Int8Linear, quantize_per_token
 from tidepool.models.layers.linear import Linear, combine
-from tidepool.models.quantization import Int8Builder, Int8LinearPlan
+from tidepool.models.quantization import Int8Builder, Int8LinearPlan, build_int8_linear
+from tidepool.models.quantization_weights import WEIGHT_LO_FACTOR
 
 _MIN_SCALE = 1e-12
 
@@ -39,7 +40,14 @@ def quantize_per_token_asymmetric(
 
 
 def fake_quantize(x: torch.Tensor, scheme: str) -> torch.Tensor:
-    """x [T, K] rounded as the kernel's activation quantizer would, back in float32."""
+    """x [T, K] rounded as the kernel's activation quantizer would, back in float32.
+    "asymmetric2" (two-part inputs, an idea not in the kernel): the asymmetric uint8 part, and
+    its rounding error (within ±scale/2) as int8 at scale/254, for a second GEMM."""
+    if scheme == "asymmetric2":
+        q, scale, zero = quantize_per_token_asymmetric(x)
+        high = (q.float() - zero.float()) * scale
+        step = scale / WEIGHT_LO_FACTOR
+        return high + torch.round((x - high) / step).clamp_(-127, 127) * step
     if scheme == "symmetric":
         q, scale = quantize_per_token(x)  # tidepool's own quantizer (models/layers/int8_linear.py)
         return q.float() * scale
@@ -90,13 +98,16 @@ class SimulatedInt8Linear(nn.Module):
 
 
 def simulated_builder(weights: str, inputs: str) -> Int8Builder:
-    """A `quantize_model` builder: `weights` "int8" (the plan's) or "float" (float32, smoothed
-    as planned); `inputs` "plan" (asymmetric where the plan says, else symmetric),
-    "symmetric", "asymmetric" or "float"."""
+    """A `quantize_model` builder: `weights` "int8" (the plan's: s·hi, or s·(hi + lo/254) for a
+    two-part plan) or "float" (float32, smoothed as planned); `inputs` "plan" (asymmetric where
+    the plan says, else symmetric), "symmetric", "asymmetric", "asymmetric2" or "float"."""
 
     def build(linear: Linear, plan: Int8LinearPlan) -> nn.Module:
         if weights == "int8":
-            weight = plan.weight_q.float() * plan.weight_scale[:, None]
+            weight = plan.weight_q.float()
+            if plan.weight_lo is not None:
+                weight = weight + plan.weight_lo.float() / WEIGHT_LO_FACTOR
+            weight = weight * plan.weight_scale[:, None]
         else:
             weight = linear.weight.detach().float()
             if plan.input_smoothing is not None:
@@ -107,3 +118,43 @@ def simulated_builder(weights: str, inputs: str) -> Int8Builder:
         return SimulatedInt8Linear(weight, linear, plan.input_smoothing, scheme)
 
     return build
+
+
+class TwoGemmInt8Linear(nn.Module):
+    """A two-part plan on today's kernels: two one-part `Int8Linear`s over the same input, hi at
+    scale s (with the bias) and lo at s / WEIGHT_LO_FACTOR, summed before the activation: what
+    the two-part kernel computes (each quantizes the input alike), at twice the passes."""
+
+    def __init__(self, linear: Linear, plan: Int8LinearPlan) -> None:
+        super().__init__()
+        assert plan.weight_lo is not None
+        asym, smoothing = plan.asymmetric_input, plan.input_smoothing
+        self.hi = Int8Linear(plan.weight_q, plan.weight_scale, linear.bias, None, smoothing, asym)
+        lo_scale = plan.weight_scale / WEIGHT_LO_FACTOR
+        self.lo = Int8Linear(plan.weight_lo, lo_scale, None, None, smoothing, asym)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._act = get_activation(linear.activation) if linear.activation else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        multiply: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        y = self.hi(x) + self.lo(x)
+        if self._act is not None:
+            y = self._act(y)
+        return combine(y, multiply, residual)
+
+    def forward_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> torch.Tensor:
+        return norm(self(x, residual=residual))
+
+
+def two_gemm_build(linear: Linear, plan: Int8LinearPlan) -> nn.Module:
+    """A `quantize_model` builder on the real kernels: `TwoGemmInt8Linear` for a two-part plan,
+    `Int8Linear` for the others."""
+    if plan.weight_lo is None:
+        return build_int8_linear(linear, plan)
+    return TwoGemmInt8Linear(linear, plan)

@@ -1,5 +1,5 @@
 """The int8 quantizers chosen at load: GPTQ weight rounding (models/quantization_weights.py)
-against round to nearest, and the asymmetric per-token activation quantizer's reference
+against round to nearest, two-part weights (`split_weight`), and the asymmetric per-token activation quantizer's reference
 (benchmarks/int8_simulate.py, the formula the fused kernel implements)."""
 
 from __future__ import annotations
@@ -8,9 +8,18 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from tidepool.models.quantization_weights import gptq, input_second_moments, round_to_nearest
+from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
+from tidepool.models.quantization import FFN_DOWN, matches_linears, two_part_kernel
+from tidepool.models.quantization_weights import (
+    WEIGHT_LO_FACTOR,
+    gptq,
+    input_second_moments,
+    round_to_nearest,
+    split_weight,
+)
 
 
 def _correlated_inputs(num_tokens: int, in_features: int) -> torch.Tensor:
@@ -90,3 +99,142 @@ def test_upper_cholesky_of_inverse_matches_the_three_step_form() -> None:
     assert torch.equal(u, u.triu())
     torch.testing.assert_close(u, ref, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(u.T @ u, torch.linalg.inv(h), rtol=1e-9, atol=1e-12)
+
+
+def _outlier_weight() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(96, 200, generator=generator) * 0.05
+    weight[:, 7] *= 30.0  # an outlier column: most of each channel's range is unused
+    weight[5] = 0.0  # a channel of zeros
+    return weight
+
+
+def test_split_weight_reconstructs_within_half_a_low_step() -> None:
+    weight = _outlier_weight()
+    hi, lo, scale = split_weight(weight)
+    assert hi.dtype == lo.dtype == torch.int8 and scale.dtype == torch.float32
+    assert WEIGHT_LO_FACTOR == 254 and int(lo.abs().max()) <= 127
+    # The high part is round to nearest's, on its grid.
+    q_near, scale_near = round_to_nearest(weight)
+    assert torch.equal(hi, q_near) and torch.equal(scale, scale_near)
+    restored = scale[:, None] * (hi.float() + lo.float() / WEIGHT_LO_FACTOR)
+    error = (weight - restored).abs()
+    # |W - s·(hi + lo/254)| <= s / (2·254), + float32 rounding of W / s (relative 2⁻²⁴ of
+    # |W| <= 127 s: ~1e-5 s, 1/200 of the bound).
+    bound = scale[:, None] / (2 * WEIGHT_LO_FACTOR) * (1 + 1e-2)
+    assert (error <= bound).all(), float((error / bound).max())
+    # Every low value is used (the bound is tight, not loose by a factor).
+    assert float((error / bound).max()) > 0.9
+    # 254x finer than the high part alone (whose error reaches s / 2).
+    hi_error = (weight - scale[:, None] * hi.float()).abs()
+    assert float(error.max()) < float(hi_error.max()) / 200
+    assert float(restored[5].abs().max()) == 0.0
+
+
+def test_split_weight_keeps_a_given_high_part() -> None:
+    """GPTQ's high part: lo holds what is left of its error, clamped at ±1/2 step."""
+    weight = _outlier_weight()
+    x = _correlated_inputs(300, 200)
+    q_gptq, scale = gptq(weight, input_second_moments(x))
+    hi, lo, scale_out = split_weight(weight, q_gptq, scale)
+    assert torch.equal(hi, q_gptq) and torch.equal(scale_out, scale)
+    units = weight / scale[:, None] - hi.float()  # GPTQ's own error, in steps
+    assert float(units.abs().max()) > 0.5  # GPTQ moved some values off the nearest
+    restored = scale[:, None] * (hi.float() + lo.float() / WEIGHT_LO_FACTOR)
+    error = (weight - restored).abs()
+    inside = units.abs() <= 0.5
+    assert (
+        error[inside] <= (scale[:, None] / (2 * WEIGHT_LO_FACTOR) * 1.01).expand_as(error)[inside]
+    ).all()
+    # Where GPTQ's error exceeds half a step, lo clamps at ±127: what remains is the excess.
+    excess = (units.abs() - 127 / WEIGHT_LO_FACTOR).clamp(min=0) * scale[:, None]
+    torch.testing.assert_close(error[~inside], excess[~inside], atol=1e-5, rtol=1e-3)
+
+
+def test_linear_patterns_match_at_the_end_of_the_name() -> None:
+    ffn_down, attention_out = (
+        "encoder.layer.3.output.dense",
+        "encoder.layer.3.attention.output.dense",
+    )
+    assert matches_linears(ffn_down, (FFN_DOWN,))
+    assert not matches_linears(attention_out, (FFN_DOWN,))
+    assert matches_linears(attention_out, ("output.dense",))  # a plain suffix matches both
+    assert matches_linears("encoder.layer.0.attention.self.qkv", ("qkv", FFN_DOWN))
+    assert not matches_linears("encoder.layer.0.intermediate.dense", ("qkv", FFN_DOWN))
+    assert not matches_linears("encoder.layer.0.attention.self.qkv", ())
+
+
+def test_default_two_part_linears_are_all_but_the_attention_output() -> None:
+    from tidepool.models.quantization import DEFAULT_RECIPE
+
+    patterns = DEFAULT_RECIPE.two_part_linears
+    for name in (
+        "encoder.layer.5.attention.self.qkv",
+        "encoder.layer.5.intermediate.dense",
+        "encoder.layer.5.output.dense",
+        "encoder.block.0.layer.0.SelfAttention.qkv",  # T5
+        "encoder.block.0.layer.1.DenseReluDense.wi_1",
+        "encoder.block.0.layer.1.DenseReluDense.wo",
+    ):
+        assert matches_linears(name, patterns), name
+    for name in (
+        "encoder.layer.5.attention.output.dense",
+        "encoder.block.0.layer.0.SelfAttention.o",
+        "encoder.layer.5.attention.self.pos_key_proj",  # DeBERTa
+    ):
+        assert not matches_linears(name, patterns), name
+
+
+@pytest.mark.skipif(
+    not (int8_gemm_available() and two_part_kernel()), reason="Int8Linear takes no weight_lo yet"
+)
+def test_int8_linear_two_part_weight_contract() -> None:
+    """The contract of Int8Linear(weight_q=hi, weight_scale=s, ..., weight_lo=lo): its GEMM uses
+    the weight s_n · (hi + lo / WEIGHT_LO_FACTOR). Against the simulated layer (the same input
+    quantizer as float32 fake quantization, the dequantized two-part weight): equal to float32
+    rounding; against float32: the weight's share of the error gone (one-part leaves it)."""
+    simulate = _simulate_module()
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(160, 96, generator=generator) * 0.1
+    weight[:, 7] *= 30.0  # coarse one-part steps: the weight's error dominates
+    bias = torch.randn(160, generator=generator) * 0.1
+    x = torch.randn(40, 96, generator=generator) + 0.3
+    hi, lo, scale = split_weight(weight)
+    two_part = Int8Linear(hi, scale, bias, None, asym=True, weight_lo=lo)(x)
+    one_part = Int8Linear(hi, scale, bias, None, asym=True)(x)
+    x_hat = simulate.fake_quantize(x, "asymmetric")
+    expected = torch.nn.functional.linear(
+        x_hat, scale[:, None] * (hi.float() + lo.float() / WEIGHT_LO_FACTOR), bias
+    )
+    # float32 rounding of K = 96 products and the epilogue: the one-part layer against its
+    # simulation measured 6e-7 of the range; 1e-5 leaves room for a rounding tie.
+    tolerance = 1e-5 * float(expected.abs().max())
+    assert float((two_part - expected).abs().max()) <= tolerance
+    reference = x @ weight.T + bias
+    # Measured in simulation: 0.23x (what is left is the inputs' rounding).
+    assert float((two_part - reference).norm()) < 0.4 * float((one_part - reference).norm())
+
+
+@pytest.mark.skipif(not int8_gemm_available(), reason="no oneDNN int8 linear")
+def test_two_gemm_layer_matches_the_simulated_two_part_layer() -> None:
+    """int8_simulate.TwoGemmInt8Linear (today's kernels, hi and lo as two Int8Linears, which
+    int8_accuracy.py's gptq-two-gemm runs) computes what the simulated two-part layer does: the
+    two-part contract's arithmetic on real int8 GEMMs, before the fused kernel exists."""
+    from tidepool.models.layers.linear import Linear
+    from tidepool.models.quantization import Int8LinearPlan
+
+    simulate = _simulate_module()
+    generator = torch.Generator().manual_seed(6)
+    linear = Linear(96, 160, activation="gelu")
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(160, 96, generator=generator) * 0.1)
+        linear.weight[:, 7] *= 30.0
+        linear.bias.copy_(torch.randn(160, generator=generator) * 0.1)
+    hi, lo, scale = split_weight(linear.weight)
+    plan = Int8LinearPlan(hi, scale, None, True, (-3.0, 3.0), lo)
+    x = torch.randn(40, 96, generator=generator) + 0.3
+    residual = torch.randn(40, 160, generator=generator)
+    ours = simulate.two_gemm_build(linear, plan)(x, residual=residual)
+    expected = simulate.simulated_builder("int8", "plan")(linear, plan)(x, residual=residual)
+    # Measured 5e-7 of the range (float32 rounding of two products and their sum).
+    assert float((ours - expected).abs().max()) <= 1e-5 * float(expected.abs().max())

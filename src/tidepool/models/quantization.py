@@ -13,9 +13,11 @@ Load, in three steps (`quantize_model`, by an `Int8Recipe`):
      as each linear's inputs go by, plan it (`Int8LinearPlan`): QKV's and FFN-up's inputs
      divided per channel by a factor folded into the weight (SmoothQuant: c_k = amax_k^α /
      max_n |W_nk|^(1-α)), which moves the LayerNorm outputs' outlier channels into the weights,
-     where each output channel has its own scale; the int8 weights rounded by GPTQ from the
-     inputs' Xᵀ X (models/quantization_weights.py); the activation scheme per token
-     (asymmetric uint8 + zero point, or symmetric int8);
+     where each output channel has its own scale; the int8 weights: two-part on
+     `two_part_linears` (W ≈ s·(hi + lo/254), two int8 GEMMs, ~15-bit weights: then smoothed
+     harder, alpha `two_part_alpha`, since the weight takes the outliers at no loss), else
+     rounded by GPTQ from the inputs' Xᵀ X (models/quantization_weights.py); the activation
+     scheme per token (asymmetric uint8 + zero point, or symmetric int8);
   2. swap: each `Linear` → the int8 layer its plan builds;
   3. check: the int8 model's mean-pooled states against float32 on a second sample; below
      `MIN_LOAD_COSINE` the float32 layers stay, with a warning.
@@ -23,9 +25,11 @@ Load, in three steps (`quantize_model`, by an `Int8Recipe`):
 
 from __future__ import annotations
 
+import inspect
 import logging
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +39,12 @@ from tidepool.attention.metadata import build_encoder_metadata
 from tidepool.models.int8_chains import link_handoffs
 from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
 from tidepool.models.layers.linear import Linear
-from tidepool.models.quantization_weights import gptq, input_second_moments, round_to_nearest
+from tidepool.models.quantization_weights import (
+    gptq,
+    input_second_moments,
+    round_to_nearest,
+    split_weight,
+)
 
 logger = logging.getLogger("tidepool")
 
@@ -70,6 +79,37 @@ SMOOTHED_LINEARS = ("qkv", "intermediate.dense")
 (attention output, FFN down) take their input as it is: all-MiniLM-L6-v2, 400 texts, smoothing
 every linear 0.9945 / 0.9979 (cos min / mean), only these 0.9961 / 0.9980, one pass less each
 for the other two."""
+
+FFN_DOWN = r"layer\.\d+\.output\.dense"
+"""BERT-family FFN down as a `matches_linears` pattern ("output.dense" alone also matches the
+attention output)."""
+
+TWO_PART_LINEARS: tuple[str, ...] = (
+    "qkv",
+    "intermediate.dense",
+    FFN_DOWN,
+    r"\.wi(_[01])?",
+    r"\.wo",
+)
+"""The linears whose weights are two-part int8 (W ≈ s·(hi + lo/254), two int8 GEMMs: ~15-bit
+weights): every linear but the attention output (BERT family: QKV, FFN up, FFN down; T5: qkv,
+wi / wi_0 / wi_1, wo), 92% of MiniLM's linear FLOPs. all-MiniLM-L6-v2, 1,000 corpus texts on two
+text sets, top-10 overlap (simulated asymmetric inputs): 0.955 / 0.958 (every linear two-part:
+0.959 / 0.957; QKV + attention output + FFN down, 67%: 0.951 / 0.949; QKV + FFN down, 58%:
+0.949 / 0.952; none: 0.935 / 0.935): docs/performance.md, "int8", round three."""
+
+TWO_PART_ALPHA = 0.8
+"""SmoothQuant's alpha on the smoothed two-part linears (QKV, FFN up): two-part weights take the
+inputs' outliers at no loss. Every linear two-part, top-10 overlap 0.953 / 0.954 at 0.5, 0.959 /
+0.957 at 0.8, 0.956 / 0.954 at 1.0."""
+
+
+def matches_linears(name: str, patterns: tuple[str, ...]) -> bool:
+    """A linear's module name ends with one of `patterns`, each a regex matched at the end of
+    the name: a plain suffix ("qkv", "intermediate.dense") or e.g. FFN_DOWN (BERT's FFN down,
+    "encoder.layer.3.output.dense", but not its attention output, "...attention.output.dense")."""
+    return any(re.search(f"(?:{p})$", name) for p in patterns)
+
 
 MIN_LOAD_COSINE = 0.99
 """The lowest cosine (int8 vs float32, per sample sequence) the load check accepts."""
@@ -191,7 +231,16 @@ class Int8Recipe:
     smoothing_alpha: float = SMOOTHING_ALPHA
     """SmoothQuant's migration strength for `smoothed_linears`."""
     smoothed_linears: tuple[str, ...] = SMOOTHED_LINEARS
-    """Name suffixes of the linears whose inputs are smoothed."""
+    """The linears whose inputs are smoothed (name suffixes, `matches_linears`)."""
+    two_part_linears: tuple[str, ...] = TWO_PART_LINEARS
+    """The linears with two-part int8 weights (name suffixes, `matches_linears`; the smoothed
+    weight where smoothing applies too)."""
+    two_part_alpha: float | None = TWO_PART_ALPHA
+    """SmoothQuant's alpha on the smoothed two-part linears (None: `smoothing_alpha`): their
+    weights are fine enough to take more of the inputs' outliers."""
+    two_part_hi: str = "nearest"
+    """A two-part weight's high part: "nearest" (no GPTQ: lo holds the rest to 1/508 of a step)
+    or "gptq" (GPTQ's, lo holding what is left of its error, clamped to ±1/2 step)."""
     asymmetric_inputs: str = "all"
     """Which linears quantize their input asymmetric per token (uint8 and a zero point):
     "none", "one_sided" (calibration inputs' min >= -ONE_SIDED_RATIO · max: a GELU / ReLU
@@ -199,11 +248,16 @@ class Int8Recipe:
 
 
 DEFAULT_RECIPE = Int8Recipe()
-"""GPTQ (damping 0.3), smoothing on QKV / FFN up at alpha 0.5, every input asymmetric:
-all-MiniLM-L6-v2, 1,000 corpus texts, cos mean 0.99923, top-10 overlap 0.940 / 0.932 on two
-text sets (simulated asymmetric; the first recipe, round to nearest with symmetric inputs:
-0.99801, 0.907): docs/performance.md, "int8". The clipping search, noise-aware GPTQ, more
-random-id calibration, smoothing all four linears, alpha 0.65 measured no better."""
+"""Two-part weights on QKV, FFN up and FFN down (smoothed at alpha 0.8 where smoothed), GPTQ
+(damping 0.3) on the attention output, smoothing on QKV / FFN up, every input asymmetric:
+all-MiniLM-L6-v2, 1,000 corpus texts, cos min / mean 0.99919 / 0.99968, top-10 overlap 0.955 /
+0.958 on two text sets (simulated asymmetric inputs; on today's kernels as two Int8Linears per
+two-part linear: 0.953 / 0.958; one-part GPTQ everywhere: 0.99923 mean, 0.935; the first recipe,
+round to nearest with symmetric inputs: 0.99801, 0.907): docs/performance.md, "int8". The
+clipping search, noise-aware GPTQ, more
+random-id calibration, smoothing all four linears, alpha 0.65 on one-part weights, two-part
+inputs on the attention output measured no better. Until Int8Linear takes `weight_lo`
+(`two_part_kernel`), the real layers plan every linear one-part (GPTQ)."""
 
 ONE_SIDED_RATIO = 0.25
 """An input whose most negative value is above -this · its largest is "one-sided"."""
@@ -223,6 +277,12 @@ class Int8LinearPlan:
     """Quantize the input per token as uint8 with a zero point instead of symmetric int8."""
     input_range: tuple[float, float]
     """The calibration inputs' (min, max), after smoothing."""
+    weight_lo: torch.Tensor | None = None
+    """[N, K] int8, two-part weights only: the smoothed weight is
+    weight_scale[:, None] · (weight_q + weight_lo / WEIGHT_LO_FACTOR), so with the same
+    quantized input q (x ≈ s_x·(q - z)) the layer computes
+    s_x · w_scale · (q·hiᵀ + (q·loᵀ) / 254) - (s_x·z) · w_scale · (Σ_k hi + Σ_k lo / 254) + b,
+    the two int32 products combined in float32 (254 · q·hiᵀ can overflow int32)."""
 
 
 Int8Builder = Callable[[Linear, Int8LinearPlan], nn.Module]
@@ -230,10 +290,19 @@ Int8Builder = Callable[[Linear, Int8LinearPlan], nn.Module]
 
 def build_int8_linear(linear: Linear, plan: Int8LinearPlan) -> nn.Module:
     """The `Int8Linear` for a plan."""
+    # Passed only when set: a one-part plan builds with any Int8Linear.
+    extra = {} if plan.weight_lo is None else {"weight_lo": plan.weight_lo}
     return Int8Linear(
         plan.weight_q, plan.weight_scale, linear.bias, linear.activation, plan.input_smoothing,
-        asym=plan.asymmetric_input,
+        asym=plan.asymmetric_input, **extra,
     )  # fmt: skip
+
+
+def two_part_kernel() -> bool:
+    """This tree's Int8Linear takes two-part weights (`weight_lo`); until it does, the real
+    path plans every linear one-part (the simulated ones, benchmarks/int8_simulate.py, take
+    two-part plans either way)."""
+    return "weight_lo" in inspect.signature(Int8Linear).parameters
 
 
 def quantize_model(
@@ -246,6 +315,8 @@ def quantize_model(
     in place, calibrated on the even `sequences` and checked on the odd ones, unless the check
     fails (then the float32 layers stay, with a warning). Returns the check's figures."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    if build is build_int8_linear and recipe.two_part_linears and not two_part_kernel():
+        recipe = replace(recipe, two_part_linears=())
     calibration, held_out = sequences[0::2], sequences[1::2]
     plans = _calibrate(model, linears, calibration, recipe)
     reference = _mean_pooled(model, held_out)
@@ -298,7 +369,9 @@ def _calibrate(
     def record(name: str):
         def hook(module: nn.Module, args: tuple) -> None:
             x = args[0].detach().reshape(-1, args[0].shape[-1])
-            plans[name] = plan_linear(module, x, recipe, name.endswith(recipe.smoothed_linears))
+            smoothed = matches_linears(name, recipe.smoothed_linears)
+            two_part = matches_linears(name, recipe.two_part_linears)
+            plans[name] = plan_linear(module, x, recipe, smoothed, two_part)
 
         return hook
 
@@ -312,30 +385,37 @@ def _calibrate(
 
 
 def plan_linear(
-    linear: Linear, x: torch.Tensor, recipe: Int8Recipe, smoothed: bool
+    linear: Linear, x: torch.Tensor, recipe: Int8Recipe, smoothed: bool, two_part: bool = False
 ) -> Int8LinearPlan:
-    """One linear's plan from its calibration inputs x [T, K]."""
+    """One linear's plan from its calibration inputs x [T, K] (`two_part`: hi and lo weights)."""
     weight = linear.weight.detach().float()
     smoothing = None
     if smoothed:
         # SmoothQuant: c_k = amax_k^α / max_n |W_nk|^(1-α); W·c, and the inputs times 1/c.
+        alpha = recipe.smoothing_alpha
+        if two_part and recipe.two_part_alpha is not None:
+            alpha = recipe.two_part_alpha
         w_amax = weight.abs().amax(dim=0).clamp(min=1e-5)
-        c = x.abs().amax(dim=0).clamp(min=1e-5).pow(recipe.smoothing_alpha)
-        c = c / w_amax.pow(1.0 - recipe.smoothing_alpha)
+        c = x.abs().amax(dim=0).clamp(min=1e-5).pow(alpha) / w_amax.pow(1.0 - alpha)
         weight, smoothing = weight * c, 1.0 / c
         x = x * smoothing
     low, high = float(x.min()), float(x.max())
     asymmetric = recipe.asymmetric_inputs == "all" or (
         recipe.asymmetric_inputs == "one_sided" and low >= -ONE_SIDED_RATIO * high
     )
-    if recipe.weight_rounding == "gptq":
+    weight_lo = None
+    if two_part and recipe.two_part_hi == "nearest":
+        weight_q, weight_lo, weight_scale = split_weight(weight)
+    elif recipe.weight_rounding == "gptq" or two_part:
         hessian = input_second_moments(x)
         if recipe.gptq_input_noise:
             hessian.diagonal().add_(_input_rounding_noise(x, asymmetric))
         weight_q, weight_scale = gptq(weight, hessian, recipe.gptq_damping, recipe.clip_search)
+        if two_part:
+            weight_q, weight_lo, weight_scale = split_weight(weight, weight_q, weight_scale)
     else:
         weight_q, weight_scale = round_to_nearest(weight)
-    return Int8LinearPlan(weight_q, weight_scale, smoothing, asymmetric, (low, high))
+    return Int8LinearPlan(weight_q, weight_scale, smoothing, asymmetric, (low, high), weight_lo)
 
 
 def _input_rounding_noise(x: torch.Tensor, asymmetric: bool) -> float:

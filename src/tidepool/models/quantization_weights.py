@@ -7,6 +7,9 @@ moments H = Xᵀ X: it minimises ‖X Wᵀ - X Qᵀ‖² (the layer's output err
 sample), not ‖W - Q‖². Worked example, two inputs that always move together (x₁ = x₂): rounding
 w₁ up by e is undone by rounding w₂ down by e, so the output is exact where round to nearest
 would have doubled the error.
+
+Two-part weights (`split_weight`) keep a second int8 tensor of the first one's rounding error,
+at 1/WEIGHT_LO_FACTOR of its step: W ≈ s·(hi + lo/254), ~15 bits per weight for two int8 GEMMs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import torch
 _MIN_SCALE = 1e-12
 # Columns are rounded in blocks: the error of a block reaches the later columns in one GEMM.
 _GPTQ_BLOCK = 128
+WEIGHT_LO_FACTOR = 254
+"""A two-part weight's low part counts in steps of s / WEIGHT_LO_FACTOR: 254 maps the high part's
+rounding error (within ±s/2) onto int8's symmetric ±127 exactly."""
 CLIP_RATIOS = tuple(1.0 - 0.02 * i for i in range(16))
 """The clipping search's candidates, times a channel's abs-max (1.0 first: no clipping)."""
 
@@ -54,6 +60,26 @@ def round_to_nearest(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.detach().float()
     scale = channel_scales(w)
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def split_weight(
+    weight: torch.Tensor, hi: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] → (hi int8 [N, K], lo int8 [N, K], scale [N] float32) with
+    W ≈ scale_n · (hi + lo / WEIGHT_LO_FACTOR): hi = round(W / s) (s = each channel's abs-max
+    / 127, `round_to_nearest`), lo = round((W / s - hi) · 254) clamped to [-127, 127].
+
+    With hi rounded to nearest, |W / s - hi| <= 1/2, so lo never clamps and
+    |W - s·(hi + lo/254)| <= s / (2·254) (+ float32 rounding): 254x finer than hi alone. A given
+    `hi` (and its `scale`: e.g. GPTQ's) is kept and lo holds what is left of its error, clamped
+    where that exceeds ±1/2 step."""
+    w = weight.detach().float()
+    if scale is None:
+        scale = channel_scales(w)
+    units = w / scale[:, None]
+    high = torch.round(units).clamp_(-127, 127) if hi is None else hi.float()
+    low = torch.round((units - high) * WEIGHT_LO_FACTOR).clamp_(-127, 127)
+    return high.to(torch.int8), low.to(torch.int8), scale
 
 
 def input_second_moments(x: torch.Tensor) -> torch.Tensor:
