@@ -171,20 +171,6 @@ def test_two_part_plans_only_on_the_chosen_linears(tiny_model_path, monkeypatch)
         assert ((weight - restored).abs() <= bound * 1.01).all(), name
 
 
-def test_two_part_plans_wait_for_the_kernel(tiny_model_path, monkeypatch) -> None:
-    """Until Int8Linear takes weight_lo, the real path plans a two-part recipe one-part."""
-    llm = LLM(str(tiny_model_path("bert")))
-    model, config = llm.engine.model_runner.model, llm.model_config
-    sequences = quantization.calibration_sequences(
-        config.path, config.max_model_len, config.hf_config.vocab_size
-    )
-    monkeypatch.setattr(quantization, "two_part_kernel", lambda: False)
-    recipe = quantization.Int8Recipe(two_part_linears=(".*",))
-    check = quantization.quantize_model(model, sequences, recipe)
-    assert check.passed and _int8_layers(llm) == len(check.plans) > 0
-    assert all(plan.weight_lo is None for plan in check.plans.values())
-
-
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -271,8 +257,7 @@ def test_minilm_int8_accuracy_on_the_corpus(minilm_path: Path) -> None:
         len(set(a.tolist()) & set(b.tolist()))
         for a, b in zip(top10(vectors), top10(reference), strict=True)
     )
-    # One-part weights (until Int8Linear takes weight_lo): 0.952 on these 200 texts, 0.935 on
-    # 1,000. Two-part (the default recipe, simulated): 0.973 here, 0.955 / 0.958 on 1,000
-    # (issue 17 asks 0.95: docs/performance.md, "int8", round three).
-    floor = 0.95 if quantization.two_part_kernel() else 0.9
-    assert shared / (10 * len(texts)) >= floor
+    # One-part weights everywhere: 0.952 on these 200 texts, 0.935 on 1,000. Two-part (the
+    # default recipe): 0.97 here, 0.955 / 0.958 on 1,000 (issue 17 asks 0.95:
+    # docs/performance.md, "int8", round three).
+    assert shared / (10 * len(texts)) >= 0.95

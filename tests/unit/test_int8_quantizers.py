@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
-from tidepool.models.quantization import FFN_DOWN, matches_linears, two_part_kernel
+from tidepool.models.quantization import FFN_DOWN, matches_linears
 from tidepool.models.quantization_weights import (
     WEIGHT_LO_FACTOR,
     gptq,
@@ -185,9 +185,7 @@ def test_default_two_part_linears_are_all_but_the_attention_output() -> None:
         assert not matches_linears(name, patterns), name
 
 
-@pytest.mark.skipif(
-    not (int8_gemm_available() and two_part_kernel()), reason="Int8Linear takes no weight_lo yet"
-)
+@pytest.mark.skipif(not int8_gemm_available(), reason="no oneDNN int8 linear")
 def test_int8_linear_two_part_weight_contract() -> None:
     """The contract of Int8Linear(weight_q=hi, weight_scale=s, ..., weight_lo=lo): its GEMM uses
     the weight s_n · (hi + lo / WEIGHT_LO_FACTOR). Against the simulated layer (the same input

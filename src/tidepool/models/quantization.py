@@ -25,11 +25,10 @@ Load, in three steps (`quantize_model`, by an `Int8Recipe`):
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -256,8 +255,7 @@ two-part linear: 0.953 / 0.958; one-part GPTQ everywhere: 0.99923 mean, 0.935; t
 round to nearest with symmetric inputs: 0.99801, 0.907): docs/performance.md, "int8". The
 clipping search, noise-aware GPTQ, more
 random-id calibration, smoothing all four linears, alpha 0.65 on one-part weights, two-part
-inputs on the attention output measured no better. Until Int8Linear takes `weight_lo`
-(`two_part_kernel`), the real layers plan every linear one-part (GPTQ)."""
+inputs on the attention output measured no better."""
 
 ONE_SIDED_RATIO = 0.25
 """An input whose most negative value is above -this · its largest is "one-sided"."""
@@ -298,13 +296,6 @@ def build_int8_linear(linear: Linear, plan: Int8LinearPlan) -> nn.Module:
     )  # fmt: skip
 
 
-def two_part_kernel() -> bool:
-    """This tree's Int8Linear takes two-part weights (`weight_lo`); until it does, the real
-    path plans every linear one-part (the simulated ones, benchmarks/int8_simulate.py, take
-    two-part plans either way)."""
-    return "weight_lo" in inspect.signature(Int8Linear).parameters
-
-
 def quantize_model(
     model: nn.Module,
     sequences: list[torch.Tensor],
@@ -315,8 +306,6 @@ def quantize_model(
     in place, calibrated on the even `sequences` and checked on the odd ones, unless the check
     fails (then the float32 layers stay, with a warning). Returns the check's figures."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    if build is build_int8_linear and recipe.two_part_linears and not two_part_kernel():
-        recipe = replace(recipe, two_part_linears=())
     calibration, held_out = sequences[0::2], sequences[1::2]
     plans = _calibrate(model, linears, calibration, recipe)
     reference = _mean_pooled(model, held_out)
