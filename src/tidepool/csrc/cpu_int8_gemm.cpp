@@ -16,11 +16,10 @@
 // order _tile_dpbusd reads). Needs K % 64 == 0 and N % 32 == 0; Int8Linear keeps oneDNN's GEMM
 // for other shapes and for CPUs without AMX-INT8.
 
+#include "cpu_amx.h"
 #include "cpu_int8_common.h"
 
 #include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <vector>
 
@@ -31,33 +30,13 @@ constexpr int64_t kBlockCols = 32;           // columns per tile block (two 16-c
 constexpr int64_t kGroupBytes = 1536 << 10;  // a row group's float32 rows, mostly in L2
 constexpr float kLoFactor = 1.f / 254.f;     // W_lo's weight relative to W_hi
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile is 16 rows x 64 bytes. Loaded at the start of each task: other code on the
-// thread (oneDNN) configures tiles its own way.
-inline void configure_tiles() {
-  TileConfig c;
-  for (int i = 0; i < 8; ++i) {
-    c.rows[i] = 16;
-    c.colsb[i] = 64;
-  }
-  _tile_loadconfig(&c);
-}
-
 // The CPU has AMX-TILE and AMX-INT8 and the kernel lets this process use the tile data.
 bool amx_ready() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return tile && int8 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+    return tile && int8 && request_tile_data();
   }();
   return ok;
 }
@@ -265,7 +244,7 @@ template <bool kUnsigned>
 void run_fused(const Gemm& g) {
   const int64_t G = group_rows(g.N), groups = (g.T + G - 1) / G;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    load_tile_config();
     thread_local std::vector<float> rows;
     if (rows.size() < static_cast<size_t>(G * g.N)) rows.resize(G * g.N);
     for (int64_t i = begin; i < end; ++i) {
@@ -284,7 +263,7 @@ void run_split(const Gemm& g) {
   const int64_t threads = at::get_num_threads();
   const int64_t parts = std::min<int64_t>(col_blocks, std::max<int64_t>(1, 2 * threads / strips));
   at::parallel_for(0, strips * parts, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    load_tile_config();
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / parts, p = i % parts;
       const int64_t r0 = s * kStrip, r1 = std::min(g.T, r0 + kStrip);
