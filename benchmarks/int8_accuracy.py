@@ -283,7 +283,7 @@ def main() -> None:
         )
     for name in args.variants.split(","):
         for label, two_part in sets_of_two_part:
-            extra = {} if two_part is None else {"two_part_linears": two_part}
+            extra = {} if two_part is None else {"two_part_linears": two_part, "two_part": "always"}
             seconds, check, share, *results = _measure(
                 llm, VARIANTS[name], {**overrides, **extra}, sets, args.only,
                 args.random_per_text, args.two_part_inputs,

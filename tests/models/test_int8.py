@@ -171,6 +171,49 @@ def test_two_part_plans_only_on_the_chosen_linears(tiny_model_path, monkeypatch)
         assert ((weight - restored).abs() <= bound * 1.01).all(), name
 
 
+def _quantize(tiny_model_path, recipe=quantization.DEFAULT_RECIPE):
+    llm = LLM(str(tiny_model_path("bert")))
+    model, config = llm.engine.model_runner.model, llm.model_config
+    sequences = quantization.calibration_sequences(
+        config.path, config.max_model_len, config.hf_config.vocab_size
+    )
+    check = quantization.quantize_model(model, sequences, recipe)
+    two_part = [n for n, p in check.plans.items() if p.weight_lo is not None]
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert sorted(n for n, m in model.named_modules() if getattr(m, "two_part", False)) == sorted(
+        two_part
+    )
+    return check, two_part, layers
+
+
+@pytest.mark.parametrize("env,error_cap,expect_two_part", [
+    ("auto", quantization.MAX_ONE_PART_ERROR, False),  # a random tiny BERT: ~1e-5, one part
+    ("auto", 0.0, True),  # the check's error above the cap: the two-part plan instead
+    ("never", 0.0, False),
+    ("always", quantization.MAX_ONE_PART_ERROR, True),
+])  # fmt: skip
+def test_two_part_weights_only_where_the_load_check_needs_them(
+    env, error_cap, expect_two_part, tiny_model_path, monkeypatch
+) -> None:
+    """two_part="auto" keeps one GEMM per linear while the load check's 1 - mean cosine stays
+    within MAX_ONE_PART_ERROR, and plans the two-part linears (QKV, FFN up / down) otherwise;
+    TIDEPOOL_INT8_TWO_PART overrides the default recipe's choice."""
+    monkeypatch.setenv("TIDEPOOL_INT8_TWO_PART", env)
+    monkeypatch.setattr(quantization, "MAX_ONE_PART_ERROR", error_cap)
+    check, two_part, layers = _quantize(tiny_model_path)
+    assert check.passed and layers
+    assert bool(two_part) == expect_two_part
+    if expect_two_part:
+        assert all(n.endswith((".qkv", ".intermediate.dense", ".output.dense")) for n in two_part)
+        assert not any(".attention.output." in n for n in two_part)
+
+
+def test_bad_two_part_setting_is_refused(tiny_model_path, monkeypatch) -> None:
+    monkeypatch.setenv("TIDEPOOL_INT8_TWO_PART", "sometimes")
+    with pytest.raises(ValueError, match="TIDEPOOL_INT8_TWO_PART must be auto, always or never"):
+        _quantize(tiny_model_path)
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
