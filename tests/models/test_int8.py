@@ -14,6 +14,7 @@ from tidepool import LLM
 from tidepool.entrypoints.cli import build_parser
 from tidepool.entrypoints.cli_args import _engine_kwargs
 from tidepool.models import quantization, quantization_weights
+from tidepool.models.layers import int8_ops
 from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
 from tidepool.models.layers.linear import Linear
 
@@ -304,3 +305,41 @@ def test_minilm_int8_accuracy_on_the_corpus(minilm_path: Path) -> None:
     # default recipe): 0.97 here, 0.955 / 0.958 on 1,000 (issue 17 asks 0.95:
     # docs/performance.md, "int8", round three).
     assert shared / (10 * len(texts)) >= 0.95
+
+
+@pytest.mark.skipif(
+    not int8_gemm_available() or int8_ops.load_amx() is None,
+    reason="the AMX int8 GEMM needs a CPU with AMX-INT8 (and AVX-512, a C++ compiler)",
+)
+@pytest.mark.parametrize("two_part", ["never", "always"])
+def test_amx_bert_matches_the_onednn_bert(two_part, tmp_path, minilm_path, monkeypatch) -> None:
+    """A tiny BERT whose shapes the AMX GEMM takes (hidden 64, FFN 128): the whole int8 model
+    on AMX (fused epilogues, FFN up's exclusive handoff, reused buffers) gives the vectors the
+    same model gives on oneDNN's GEMM + the epilogue kernels (the same integer sums; float32
+    rounding in a different order can move a later layer's rounding by one step: cos 0.99999),
+    and stays within int8's distance of float32."""
+    from conftest import copy_bert_tokenizer
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(5)
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=128, max_position_embeddings=128)  # fmt: skip
+    BertModel(BertConfig(vocab_size=30522, **sizes)).save_pretrained(str(tmp_path))
+    copy_bert_tokenizer(minilm_path, tmp_path)
+    monkeypatch.setenv("TIDEPOOL_INT8_TWO_PART", two_part)
+    amx_llm = LLM(str(tmp_path), quantization="int8")
+    layers = [m for m in amx_llm.engine.model_runner.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all("kernels=amx" in repr(m) for m in layers)
+    assert all(m.two_part == (two_part == "always" and "attention.output" not in n)
+               for n, m in amx_llm.engine.model_runner.model.named_modules()
+               if isinstance(m, Int8Linear))  # fmt: skip
+    monkeypatch.setenv("TIDEPOOL_INT8_GEMM", "onednn")
+    onednn_llm = LLM(str(tmp_path), quantization="int8")
+    # ~2,600 tokens in one step: the row-group path; one text alone: the column split, a partial
+    # 32-row strip.
+    texts = TEXTS * 40
+    amx, onednn = _vectors(amx_llm, texts), _vectors(onednn_llm, texts)
+    reference = _vectors(LLM(str(tmp_path)), texts)
+    assert torch.nn.functional.cosine_similarity(amx, onednn).min() >= 0.99999
+    assert torch.nn.functional.cosine_similarity(amx, reference).min() >= 0.99
+    assert torch.equal(_vectors(amx_llm, TEXTS[3:4]), amx[3:4])  # batch invariance
