@@ -33,7 +33,7 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _reference(q, w, w_lo, ws, s, sz, bias, act, residual) -> torch.Tensor:
+def _reference(q, w, w_lo, ws, s, sz, bias, act, multiply, residual) -> torch.Tensor:
     acc = q.double() @ w.double().T
     wsum = w.double().sum(1)
     if w_lo is not None:
@@ -43,7 +43,7 @@ def _reference(q, w, w_lo, ws, s, sz, bias, act, residual) -> torch.Tensor:
     if sz is not None:
         y -= sz.double()[:, None] * (ws.double() * wsum)
     y = {0: lambda t: t, 1: F.gelu, 2: torch.relu}[act](y)
-    return y if residual is None else y + residual.double()
+    return y * multiply.double() + residual.double()
 
 
 @pytest.mark.parametrize("rows", [1, 31, 33, 700])
@@ -60,7 +60,8 @@ def test_op_matches_the_integer_reference(rows: int, asym: bool, two_part: bool,
     q = torch.randint(low, high, (rows, k), dtype=dtype, generator=g)
     s, sz = torch.rand(rows, generator=g) * 1e-3, torch.rand(rows, generator=g) if asym else None
     bias, residual = torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
-    ref = _reference(q, w, w_lo, ws, s, sz, bias, act, residual)
+    multiply = torch.randn(rows, n, generator=g)  # T5's gated FFN: act(x W_0) · (x W_1)
+    ref = _reference(q, w, w_lo, ws, s, sz, bias, act, multiply, residual)
     wsum = None
     if asym:
         wsum = w.double().sum(1) + (0 if w_lo is None else w_lo.double().sum(1) / WEIGHT_LO_FACTOR)
@@ -68,7 +69,7 @@ def test_op_matches_the_integer_reference(rows: int, asym: bool, two_part: bool,
     out = torch.empty(rows, n)
     AMX.linear(
         q, int8_ops.pack_weight(w), None if w_lo is None else int8_ops.pack_weight(w_lo), ws, s,
-        sz, wsum, bias, act, None, residual, None, None, 0.0, *NO_HANDOFF[:4], out, True,
+        sz, wsum, bias, act, multiply, residual, None, None, 0.0, *NO_HANDOFF[:4], out, True,
     )  # fmt: skip
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
@@ -96,7 +97,7 @@ def _x(rows: int, width: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("rows", [5, 300])
+@pytest.mark.parametrize("rows", [5, 300, 1100])  # column split; row groups (1 or 2 threads)
 @pytest.mark.parametrize("asym", [False, True])
 def test_layer_matches_the_onednn_layer_with_norm_and_handoff(rows, asym, monkeypatch) -> None:
     """o → up (GELU) → down chain with LayerNorms: the AMX chain gives the onednn chain's rows,
