@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from corpus import make_corpus  # noqa: E402
-from int8_simulate import SimulatedInt8Linear, simulated_builder, two_gemm_build  # noqa: E402
+from int8_simulate import SimulatedInt8Linear, simulated_builder  # noqa: E402
 
 from tidepool import LLM  # noqa: E402
 from tidepool.models import quantization  # noqa: E402
@@ -92,9 +92,6 @@ class Variant:
     inputs: str | None = None
     """None: tidepool's Int8Linear (the real kernel); else the simulated activation quantizer:
     "plan", "symmetric", "asymmetric" or "float" (int8_simulate.py)."""
-    two_gemm: bool = False
-    """Real kernels, a two-part linear as two one-part Int8Linears (hi, lo) summed
-    (int8_simulate.TwoGemmInt8Linear): the two-part kernel's arithmetic before it exists."""
 
 
 NEAREST = Int8Recipe(weight_rounding="nearest")
@@ -111,7 +108,6 @@ VARIANTS = {
     "nearest-asym": Variant(NEAREST, inputs="asymmetric"),
     # GPTQ weights.
     "gptq": Variant(Int8Recipe()),
-    "gptq-two-gemm": Variant(Int8Recipe(), two_gemm=True),
     "gptq-weights-only": Variant(Int8Recipe(), inputs="float"),
     "gptq-asym-one-sided": Variant(Int8Recipe(asymmetric_inputs="one_sided"), inputs="plan"),
     "gptq-asym": Variant(Int8Recipe(), inputs="asymmetric"),
@@ -183,8 +179,6 @@ def _measure(
     build = build_int8_linear
     if variant.inputs is not None:
         build = simulated_builder(variant.weights, variant.inputs)
-    if variant.two_gemm:
-        build = two_gemm_build
     recipe = replace(variant.recipe, **overrides)
     start = time.perf_counter()
     check = quantize_model(model, sequences, recipe, build)

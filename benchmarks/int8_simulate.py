@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from tidepool.models.layers.activation import get_activation
-from tidepool.models.layers.int8_linear import Int8Linear, quantize_per_token
+from tidepool.models.layers.int8_linear import quantize_per_token
 from tidepool.models.layers.linear import Linear, combine
-from tidepool.models.quantization import Int8Builder, Int8LinearPlan, build_int8_linear
+from tidepool.models.quantization import Int8Builder, Int8LinearPlan
 from tidepool.models.quantization_weights import WEIGHT_LO_FACTOR
 
 _MIN_SCALE = 1e-12
@@ -118,43 +118,3 @@ def simulated_builder(weights: str, inputs: str) -> Int8Builder:
         return SimulatedInt8Linear(weight, linear, plan.input_smoothing, scheme)
 
     return build
-
-
-class TwoGemmInt8Linear(nn.Module):
-    """A two-part plan on today's kernels: two one-part `Int8Linear`s over the same input, hi at
-    scale s (with the bias) and lo at s / WEIGHT_LO_FACTOR, summed before the activation: what
-    the two-part kernel computes (each quantizes the input alike), at twice the passes."""
-
-    def __init__(self, linear: Linear, plan: Int8LinearPlan) -> None:
-        super().__init__()
-        assert plan.weight_lo is not None
-        asym, smoothing = plan.asymmetric_input, plan.input_smoothing
-        self.hi = Int8Linear(plan.weight_q, plan.weight_scale, linear.bias, None, smoothing, asym)
-        lo_scale = plan.weight_scale / WEIGHT_LO_FACTOR
-        self.lo = Int8Linear(plan.weight_lo, lo_scale, None, None, smoothing, asym)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._act = get_activation(linear.activation) if linear.activation else None
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None = None,
-        multiply: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        y = self.hi(x) + self.lo(x)
-        if self._act is not None:
-            y = self._act(y)
-        return combine(y, multiply, residual)
-
-    def forward_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
-    ) -> torch.Tensor:
-        return norm(self(x, residual=residual))
-
-
-def two_gemm_build(linear: Linear, plan: Int8LinearPlan) -> nn.Module:
-    """A `quantize_model` builder on the real kernels: `TwoGemmInt8Linear` for a two-part plan,
-    `Int8Linear` for the others."""
-    if plan.weight_lo is None:
-        return build_int8_linear(linear, plan)
-    return TwoGemmInt8Linear(linear, plan)

@@ -211,28 +211,3 @@ def test_int8_linear_two_part_weight_contract() -> None:
     reference = x @ weight.T + bias
     # Measured in simulation: 0.23x (what is left is the inputs' rounding).
     assert float((two_part - reference).norm()) < 0.4 * float((one_part - reference).norm())
-
-
-@pytest.mark.skipif(not int8_gemm_available(), reason="no oneDNN int8 linear")
-def test_two_gemm_layer_matches_the_simulated_two_part_layer() -> None:
-    """int8_simulate.TwoGemmInt8Linear (today's kernels, hi and lo as two Int8Linears, which
-    int8_accuracy.py's gptq-two-gemm runs) computes what the simulated two-part layer does: the
-    two-part contract's arithmetic on real int8 GEMMs, before the fused kernel exists."""
-    from tidepool.models.layers.linear import Linear
-    from tidepool.models.quantization import Int8LinearPlan
-
-    simulate = _simulate_module()
-    generator = torch.Generator().manual_seed(6)
-    linear = Linear(96, 160, activation="gelu")
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(160, 96, generator=generator) * 0.1)
-        linear.weight[:, 7] *= 30.0
-        linear.bias.copy_(torch.randn(160, generator=generator) * 0.1)
-    hi, lo, scale = split_weight(linear.weight)
-    plan = Int8LinearPlan(hi, scale, None, True, (-3.0, 3.0), lo)
-    x = torch.randn(40, 96, generator=generator) + 0.3
-    residual = torch.randn(40, 160, generator=generator)
-    ours = simulate.two_gemm_build(linear, plan)(x, residual=residual)
-    expected = simulate.simulated_builder("int8", "plan")(linear, plan)(x, residual=residual)
-    # Measured 5e-7 of the range (float32 rounding of two products and their sum).
-    assert float((ours - expected).abs().max()) <= 1e-5 * float(expected.abs().max())

@@ -41,6 +41,17 @@ bool amx_ready() {
   return ok;
 }
 
+// Tile c += a · b: u8 x s8 (asymmetric inputs) or s8 x s8. A macro: gcc's tile intrinsics paste
+// their arguments into the asm as register names, so they must be literal numbers.
+#define TP_DOT(kUnsigned, c, a, b) \
+  do {                             \
+    if constexpr (kUnsigned) {     \
+      _tile_dpbusd(c, a, b);       \
+    } else {                       \
+      _tile_dpbssd(c, a, b);       \
+    }                              \
+  } while (0)
+
 // The 32 x 32 int32 sums of rows a (stride lda; 32 rows) against column tiles nb, nb + 1 of
 // the packed weight b (K / 64 tiles per column tile), into c [32][32].
 template <bool kUnsigned>
@@ -56,17 +67,10 @@ inline void block_32x32(const uint8_t* a, int64_t lda, const int8_t* b, int64_t 
     _tile_loadd(5, a + 16 * lda + kb * 64, lda);
     _tile_loadd(6, b + kb * 1024, 64);
     _tile_loadd(7, b1 + kb * 1024, 64);
-    if constexpr (kUnsigned) {
-      _tile_dpbusd(0, 4, 6);
-      _tile_dpbusd(1, 4, 7);
-      _tile_dpbusd(2, 5, 6);
-      _tile_dpbusd(3, 5, 7);
-    } else {
-      _tile_dpbssd(0, 4, 6);
-      _tile_dpbssd(1, 4, 7);
-      _tile_dpbssd(2, 5, 6);
-      _tile_dpbssd(3, 5, 7);
-    }
+    TP_DOT(kUnsigned, 0, 4, 6);
+    TP_DOT(kUnsigned, 1, 4, 7);
+    TP_DOT(kUnsigned, 2, 5, 6);
+    TP_DOT(kUnsigned, 3, 5, 7);
   }
   _tile_stored(0, c, 128);
   _tile_stored(1, c + 16, 128);
@@ -88,17 +92,10 @@ inline void block_32x16_two_part(const uint8_t* a, int64_t lda, const int8_t* hi
     _tile_loadd(5, a + 16 * lda + kb * 64, lda);
     _tile_loadd(6, hi + kb * 1024, 64);
     _tile_loadd(7, lo + kb * 1024, 64);
-    if constexpr (kUnsigned) {
-      _tile_dpbusd(0, 4, 6);
-      _tile_dpbusd(1, 5, 6);
-      _tile_dpbusd(2, 4, 7);
-      _tile_dpbusd(3, 5, 7);
-    } else {
-      _tile_dpbssd(0, 4, 6);
-      _tile_dpbssd(1, 5, 6);
-      _tile_dpbssd(2, 4, 7);
-      _tile_dpbssd(3, 5, 7);
-    }
+    TP_DOT(kUnsigned, 0, 4, 6);
+    TP_DOT(kUnsigned, 1, 5, 6);
+    TP_DOT(kUnsigned, 2, 4, 7);
+    TP_DOT(kUnsigned, 3, 5, 7);
   }
   _tile_stored(0, c, 128);
   _tile_stored(1, c + 16 * 32, 128);

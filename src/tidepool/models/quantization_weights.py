@@ -19,13 +19,14 @@ from contextlib import contextmanager
 
 import torch
 
+# A two-part weight's low part counts in steps of s / WEIGHT_LO_FACTOR (254 maps the high part's
+# rounding error, within ±s/2, onto int8's ±127): defined with the layer that computes with it.
+from tidepool.models.layers.int8_linear import WEIGHT_LO_FACTOR
+
 # A channel of zeros gets this scale instead of 0 (its int8 values are 0 either way).
 _MIN_SCALE = 1e-12
 # Columns are rounded in blocks: the error of a block reaches the later columns in one GEMM.
 _GPTQ_BLOCK = 128
-WEIGHT_LO_FACTOR = 254
-"""A two-part weight's low part counts in steps of s / WEIGHT_LO_FACTOR: 254 maps the high part's
-rounding error (within ±s/2) onto int8's symmetric ±127 exactly."""
 CLIP_RATIOS = tuple(1.0 - 0.02 * i for i in range(16))
 """The clipping search's candidates, times a channel's abs-max (1.0 first: no clipping)."""
 
