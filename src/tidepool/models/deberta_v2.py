@@ -7,7 +7,12 @@ attention with log-bucketed relative positions.
 r(i, j) = clamp(bucket(i - j) + span, 0, 2 span - 1) indexes the relative embeddings (one
 [2 span, hidden] table shared by all layers, LayerNorm'd when norm_rel_ebd says so); pk / pq are
 those embeddings through the layer's key / query projections (share_att_key) or its own pos_key_proj
-/ pos_query_proj; scale_factor is 1 + one per term in pos_att_type.
+/ pos_query_proj; scale_factor is 1 + one per term in pos_att_type (counted as transformers counts
+it: from the config, even when relative_attention is off and the terms are absent). bucket() is the
+identity without position_buckets, else exact within ±position_buckets / 2 and logarithmic out to
+max_relative_positions (-1: max_position_embeddings); span is position_buckets, else
+max_relative_positions. With conv_kernel_size (DeBERTa-v2 xlarge / xxlarge) a convolution over the
+embeddings joins the first layer's output (DebertaV2ConvLayer).
 
 The layers run on the padded layout (attention/metadata.pad_buckets): each bucket of similar lengths
 is a [num_seqs, L] block, and its attention is one SDPA call whose additive mask carries the two
