@@ -405,3 +405,30 @@ def test_routes_score_and_rerank(reranker_dirs, reranker) -> None:
         bad = client.post("/rerank", json={"query": query, "documents": [docs[0], ""]})
         assert bad.status_code == 400, bad.text
     assert all(math.isfinite(s) for s in expected)
+
+
+def test_which_pairs_are_concatenated(caplog) -> None:
+    """vLLM's use_sep_token: an LM read as a reranker concatenates (and a Qwen3-Reranker given no
+    template warns, as vLLM does; "none" is a choice and does not); `use_sep_token: true` or a
+    checkpoint head keeps the pair encoding."""
+    import logging
+    from types import SimpleNamespace
+
+    from tidepool.engine.score_template import CONCATENATION, resolve_score_template
+
+    qwen3 = SimpleNamespace(classifier_method="from_2_way_softmax", is_original_qwen3_reranker=True)
+    with caplog.at_level(logging.WARNING, logger="tidepool"):
+        assert resolve_score_template(None, None, qwen3) == CONCATENATION
+        assert resolve_score_template("none", None, qwen3) == CONCATENATION
+    warnings = [r.getMessage() for r in caplog.records if "Qwen3-Reranker" in r.getMessage()]
+    assert len(warnings) == 1 and "score_template='qwen3_reranker'" in warnings[0]  # not "none"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tidepool"):
+        assert resolve_score_template("qwen3_reranker", None, qwen3) != CONCATENATION
+    assert not caplog.records  # asked for: nothing to warn about
+    sep = SimpleNamespace(classifier_method="no_post_processing", use_sep_token=True)
+    assert resolve_score_template(None, None, sep) is None
+    head = SimpleNamespace(architectures=["Qwen3ForSequenceClassification"])
+    assert resolve_score_template(None, None, head) is None
+    head.use_sep_token = False
+    assert resolve_score_template(None, None, head) == CONCATENATION

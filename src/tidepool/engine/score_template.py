@@ -161,7 +161,7 @@ def resolve_score_template(
             )
         if not concatenates_pairs(hf_config):
             return None
-        if _is_qwen3_reranker(hf_config):
+        if _is_qwen3_reranker(hf_config) and score_template is None:  # "none": chosen knowingly
             logger.warning(
                 "Qwen3-Reranker without a score template: each pair is read as vLLM reads it, "
                 "the two texts concatenated as given; format them as vLLM's Qwen3-Reranker "
