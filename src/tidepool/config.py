@@ -49,6 +49,11 @@ class SentenceTransformersMeta:
     """The prompt used when a request names none."""
     is_sentence_transformer: bool = False
     """The folder has a modules.json (a sentence-transformers pipeline)."""
+    tokenizer_max_length: int | None = None
+    """tokenizer_config.json's model_max_length (None when unset or the "no limit" value):
+    sentence-transformers truncates a plain folder's texts there (its Transformer module takes
+    min(max_position_embeddings, model_max_length)), so it caps a plain encoder's default
+    max_model_len."""
 
 
 @dataclass(frozen=True)

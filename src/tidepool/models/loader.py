@@ -179,11 +179,17 @@ def _max_seq_length(folder: Path, bert_cfg: Any, is_sentence_transformer: bool) 
     the key is absent (sentence-t5 / T5 folders have no max_position_embeddings to cap it)."""
     value = bert_cfg.get("max_seq_length")
     if value is None and is_sentence_transformer:
-        tokenizer_cfg = _read_json(folder / "tokenizer_config.json")
-        value = tokenizer_cfg.get("model_max_length") if isinstance(tokenizer_cfg, dict) else None
-        if not isinstance(value, (int, float)) or value >= _UNSET_MODEL_MAX_LENGTH:
-            return None
+        return _tokenizer_max_length(folder)
     return int(value) if value else None
+
+
+def _tokenizer_max_length(folder: Path) -> int | None:
+    """tokenizer_config.json's model_max_length, None where unset or transformers' "no limit"."""
+    tokenizer_cfg = _read_json(folder / "tokenizer_config.json")
+    value = tokenizer_cfg.get("model_max_length") if isinstance(tokenizer_cfg, dict) else None
+    if not isinstance(value, (int, float)) or value >= _UNSET_MODEL_MAX_LENGTH or value < 1:
+        return None
+    return int(value)
 
 
 def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
@@ -228,4 +234,5 @@ def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
         prompts=dict(st_cfg.get("prompts") or {}),
         default_prompt_name=st_cfg.get("default_prompt_name"),
         is_sentence_transformer=modules is not None,
+        tokenizer_max_length=_tokenizer_max_length(folder),
     )

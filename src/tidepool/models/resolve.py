@@ -12,6 +12,7 @@ frozen dataclasses.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ _ROBERTA_LIKE = ("Roberta", "XLMRoberta", "Camembert", "MPNet")
 
 # Causal LMs whose body is not named <prefix>Model (Gemma3Model is the multimodal model).
 _CAUSAL_LM_BODIES = {"Gemma3ForCausalLM": "Gemma3TextModel"}
+
+logger = logging.getLogger("tidepool")
 
 
 @dataclass(frozen=True)
@@ -413,7 +416,7 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _derived_max_model_len(
+def _position_max_model_len(
     hf_config: Any, resolved: ResolvedModel, st: SentenceTransformersMeta
 ) -> int:
     """The longest prompt the model's positions allow (and sentence-transformers' cap)."""
@@ -434,8 +437,22 @@ def _resolve_max_model_len(
     resolved: ResolvedModel,
     st: SentenceTransformersMeta,
 ) -> int:
-    derived = _derived_max_model_len(hf_config, resolved, st)
+    """max_model_len, or by default the positions' limit; for a plain (not sentence-transformers)
+    bidirectional encoder whose tokenizer says a shorter model_max_length, that length, where
+    sentence-transformers' SentenceTransformer / CrossEncoder truncate: longer texts are then
+    refused (or cut with truncate_prompt_tokens), never scored past the reference's length. An
+    explicit max_model_len may go up to the positions' limit."""
+    derived = _position_max_model_len(hf_config, resolved, st)
     if max_model_len is None:
+        cap = st.tokenizer_max_length
+        if not st.is_sentence_transformer and not resolved.is_causal and cap and cap < derived:
+            logger.info(
+                "max_model_len %d: the tokenizer's model_max_length (sentence-transformers "
+                "truncates there), below the %d positions; max_model_len= lifts it",
+                cap,
+                derived,
+            )
+            return cap
         return derived
     if max_model_len > derived:
         raise ValueError(
