@@ -96,6 +96,7 @@ class FakeHub:
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
+        self._url = ""
 
     def add(
         self,
@@ -119,6 +120,7 @@ class FakeHub:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
+        self._url = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
 
@@ -137,8 +139,8 @@ class FakeHub:
 
     @property
     def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        """Its address (kept after stop: where a client would find nothing now)."""
+        return self._url
 
     # ------------------------------------------------------------------ what was asked
 

@@ -275,3 +275,24 @@ def test_cli_hub_errors_are_one_line(fake_hub, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: 'org/gated-st' on ") and err.count("\n") == 1
     assert main(["download", "org/private-st", "--hf-token", TOKEN]) == 0
+
+
+def test_ray_job_downloads_on_the_driver_and_pins_the_commit(fake_hub, tmp_path, monkeypatch):
+    """`tidepool embed --ray`: the driver resolves (and downloads) the model once; every actor
+    gets the commit it saw, so all nodes load the same snapshot even if `main` moves."""
+    pytest.importorskip("ray")
+    import tidepool.jobs.ray_runner as ray_runner
+
+    jobs = []
+
+    def run(job, address):  # the cluster part is tests/e2e/test_ray.py's
+        jobs.append(job)
+        return ray_runner.JobSummary(num_shards=1, num_skipped=0, num_rows=2, num_errors=0)
+
+    monkeypatch.setattr(ray_runner, "run_ray_embed_job", run)
+    (tmp_path / "in.txt").write_text("a\nb\n")
+    args = ["embed", "org/tiny-st", "--ray", "local", "-i", str(tmp_path / "in.txt")]
+    assert main([*args, "-o", str(tmp_path / "out")]) == 0
+    assert jobs[0].engine_kwargs["revision"] == fake_hub.commits["v2"]
+    assert jobs[0].model == "org/tiny-st"
+    assert locate_model("org/tiny-st").source == "Hugging Face cache"

@@ -416,7 +416,9 @@ def _add_download_parser(subparsers: Any) -> None:
         "the Hugging Face cache, and print the snapshot's folder. A later load finds it there, "
         "also with HF_HUB_OFFLINE=1.",
     )
-    parser.add_argument("model", metavar="MODEL", help="Hub model id (org/name)")
+    parser.add_argument(
+        "model", metavar="MODEL", help="Hub model id, e.g. BAAI/bge-small-en-v1.5 (no default)"
+    )
     add_hub_args(parser)
     parser.add_argument(
         "--trust-remote-code",
