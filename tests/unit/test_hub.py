@@ -168,6 +168,8 @@ def test_private_repo_needs_the_token(fake_hub, monkeypatch):
     assert "a private repo needs a token" in message and "\n" not in message
     with pytest.raises(ModelAccessError, match=r"refused the token for 'org/private-st' \(401"):
         locate_model("org/private-st", hf_token="hf_wrong")
+    with pytest.raises(ModelAccessError, match="hf_token=True asks for the token saved by"):
+        locate_model("org/private-st", hf_token=True)  # nothing saved in this HF_HOME
     assert locate_model("org/private-st", hf_token=TOKEN).source == "Hub"
     # HF_TOKEN is read when no token is given (here: the snapshot is cached already, so a fresh
     # cache dir makes it download again).
@@ -259,6 +261,14 @@ def test_cli_download(fake_hub, capsys, monkeypatch):
     path = capsys.readouterr().out.strip()
     assert path.endswith(fake_hub.commits["v1"]) and path.startswith(str(fake_hub.cache))
     assert not set(fake_hub.hub.touched("org/tiny-st")) & set(DECOYS)
+    # Online, a second run asks the Hub what the revision is now (a moved branch is updated);
+    # the files it has already are not fetched again.
+    fetched = len(fake_hub.hub.fetched("org/tiny-st"))
+    infos = len([p for _, p in fake_hub.hub.requests if p.startswith("/api/models/org/tiny-st")])
+    assert main(["download", "org/tiny-st", "--revision", "v1"]) == 0
+    assert capsys.readouterr().out.strip() == path
+    assert len(fake_hub.hub.fetched("org/tiny-st")) == fetched
+    assert len([p for _, p in fake_hub.hub.requests if p.startswith("/api/models/org/")]) > infos
     # Then offline: the load finds it.
     fake_hub.hub.stop()
     _go_offline(monkeypatch)

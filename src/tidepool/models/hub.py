@@ -12,6 +12,7 @@ Nothing here reads a model: models/loader.py decides where a model comes from.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
 import json
@@ -269,12 +270,13 @@ def _cached_tree(repo_id: str, commit: str, cache_dir: str) -> list[str] | None:
 # ----------------------------------------------------------------------------- the Hub
 
 
-def download(repo_id: str, options: HubOptions) -> Snapshot:
-    """The files of `repo_id` a load reads, from the cache where they are complete, else from the
-    Hub; one process per node downloads, the others wait on the repo's lock and find the cache
-    filled. Raises ModelNotFoundError / ModelAccessError with one line saying why."""
+def download(repo_id: str, options: HubOptions, use_cache: bool = True) -> Snapshot:
+    """The files of `repo_id` a load reads, from the cache where they are complete (unless not
+    `use_cache`: the Hub says what the revision is now), else from the Hub; one process per node
+    downloads, the others wait on the repo's lock and find the cache filled. Raises
+    ModelNotFoundError / ModelAccessError with one line saying why."""
     with _repo_lock(repo_id, options.cache_dir):
-        cached = find_in_cache(repo_id, options)
+        cached = find_in_cache(repo_id, options) if use_cache else None
         if cached is not None and not cached.missing:
             return cached
         try:
@@ -341,10 +343,15 @@ def _silent_tqdm() -> type:
 
 
 def _repo_lock(repo_id: str, cache_dir: str) -> Any:
+    """A file lock per repo in the cache's .locks/ (huggingface_hub keeps its own there); none
+    where the cache is read-only (then nothing can be downloaded into it anyway)."""
     from filelock import FileLock
 
     folder = Path(cache_dir) / ".locks" / ("models--" + repo_id.replace("/", "--"))
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return contextlib.nullcontext()
     return FileLock(str(folder / "tidepool-snapshot.lock"))
 
 
@@ -363,6 +370,11 @@ def hub_error(error: Exception, repo_id: str, options: HubOptions) -> Exception 
     where = _describe(repo_id, options)
     hub = endpoint()
     token_given = bool(options.hub_token)
+    if type(error).__name__ == "LocalTokenNotFoundError":  # hf_token=True, nothing saved
+        return ModelAccessError(
+            "hf_token=True asks for the token saved by `hf auth login`, and none is saved: "
+            "log in, or pass the token itself (hf_token= / --hf-token TOKEN / HF_TOKEN)"
+        )
     if isinstance(error, errors.GatedRepoError):
         return ModelAccessError(
             f"{where} on {hub} is gated: accept its conditions on its page, then {_TOKEN_HINT}"

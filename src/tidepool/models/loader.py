@@ -185,16 +185,16 @@ def fetch_snapshot(
     hf_token: str | bool | None = None,
     trust_remote_code: bool = False,
 ) -> ModelLocation:
-    """`tidepool download`: the cache where it holds what the load reads, else the Hub."""
+    """`tidepool download`: the revision as the Hub has it now (files already cached are not
+    fetched again); offline, the cache where it holds what the load reads."""
     if not is_repo_id(model_id):
         raise ModelNotFoundError(f"{model_id!r} is no Hub model id (org/name)")
     options = HubOptions(revision, download_dir, hf_token, trust_remote_code)
-    tried: list[str] = []
-    location, failure = _from_cache_or_hub(model_id, options, tried)
-    if location is not None:
-        return location
-    if failure is not None:
-        raise failure
+    if not is_offline():
+        return _found(model_id, _location(download(model_id, options, use_cache=False), "Hub"))
+    cached = find_in_cache(model_id, options)
+    if cached is not None and not cached.missing:
+        return _found(model_id, _location(cached, "Hugging Face cache"))
     raise ModelNotFoundError(
         f"model {model_id!r} is not in the Hugging Face cache ({options.cache_dir}) and "
         "HF_HUB_OFFLINE=1 keeps the Hub out: run it where the Hub is reachable"
