@@ -203,9 +203,9 @@ def fetch_snapshot(
 
 def remote_code_refusal(architecture: str, path: Path, entry: str) -> str:
     """Why a model's own code does not run: the flag, the auto_map entry, the files."""
-    config = _read_json(path / "config.json") or {}
+    config = _read_json(path / "config.json")
     files = sorted(p.name for p in path.glob("*.py"))
-    for module in remote_code_modules(config):
+    for module in remote_code_modules(config if isinstance(config, dict) else {}):
         repo, _, name = module.rpartition("--")
         file = f"{name}.py" + (f" of {repo}" if repo else "")
         if file not in files:
