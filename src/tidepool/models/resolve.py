@@ -22,7 +22,11 @@ import torch
 from tidepool import envs
 from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
 from tidepool.models.colbert import COLBERT_IR_ARCHITECTURES, load_multi_vector
-from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
+from tidepool.models.loader import (
+    check_remote_code_config,
+    load_sentence_transformers_meta,
+    locate_model,
+)
 from tidepool.models.pooling_choice import declares_st_pooling, log_pooling, log_st_embedder
 from tidepool.models.quantization import check_quantization, check_quantization_target
 from tidepool.models.registry import (
@@ -89,17 +93,29 @@ def build_model_config(
     model_impl: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
     quantization: str | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    hf_token: str | bool | None = None,
 ) -> ModelConfig:
-    """The ModelConfig of `model` (a folder or a model id found offline); raises ValueError for a
-    choice the model cannot run (a runner without a head, a dtype, a too long max_model_len).
-    `hf_overrides` (vLLM's name) replaces keys of config.json's config before anything reads it."""
+    """The ModelConfig of `model` (a folder, or a model id: cache, Hub or package, see
+    models/loader.py); raises ValueError for a choice the model cannot run (a runner without a
+    head, a dtype, a too long max_model_len). `hf_overrides` (vLLM's name) replaces keys of
+    config.json's config before anything reads it."""
     from transformers import AutoConfig
 
     if runner not in RUNNERS:
         raise ValueError(f"runner must be auto, pooling or generate, got {runner!r}")
     if convert not in CONVERTS:
         raise ValueError(f"convert must be auto, embed or classify, got {convert!r}")
-    path = resolve_model_path(model)
+    location = locate_model(
+        model,
+        revision=revision,
+        download_dir=download_dir,
+        hf_token=hf_token,
+        trust_remote_code=trust_remote_code,
+    )
+    path = location.path
+    check_remote_code_config(path, trust_remote_code)
     hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if hf_overrides:
         hf_config.update(dict(hf_overrides))  # top-level keys, as vLLM's dict form
@@ -137,6 +153,9 @@ def build_model_config(
         sparse=resolved.sparse,
         multi_vector=multi_vector,
         quantization=quantization,
+        revision=revision,
+        source=location.source,
+        commit=location.commit,
     )
     if resolved.fallback_on_forward_error:
         from tidepool.models.fallback import fallback_if_backend_fails
