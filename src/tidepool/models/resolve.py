@@ -128,6 +128,7 @@ def build_model_config(
         found := load_multi_vector(path, _checkpoint_architecture(hf_config), st)
     ):
         multi_vector, st = found
+        _check_multi_vector_body(multi_vector, resolved)
     if resolved.task == "embed" and resolved.output_head == "task" and multi_vector is None:
         log_pooling(resolved.architecture, resolved.model_impl, resolved.is_causal, st)
     torch_device = torch.device(device) if device else default_device()
@@ -433,6 +434,28 @@ def default_device() -> torch.device:
     if forced:
         return torch.device(forced)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# Query expansion tokens that are not attended to run as per-sequence key counts (the attention
+# backends' key_lens). DeBERTa's reference also zeroes those tokens' embeddings (its embedding
+# mask), which key counts do not; the transformers backend / fallback pass no key counts.
+_KEY_LENS_BODIES = ("Bert", "Roberta", "XLMRoberta", "MPNet", "HF_ColBERT")
+
+
+def _check_multi_vector_body(meta: Any, resolved: ResolvedModel) -> None:
+    """Refuse a ColBERT body whose [MASK] expansion, not attended to, tidepool cannot run as the
+    reference does (PyLate / colbert-ir give those keys attention mask 0)."""
+    if not meta.do_query_expansion or meta.attend_to_expansion_tokens:
+        return
+    if resolved.model_impl == "native" and resolved.architecture.startswith(_KEY_LENS_BODIES):
+        return
+    raise ValueError(
+        f"a ColBERT model on {resolved.architecture} ({resolved.model_impl}) with query "
+        "expansion that is not attended to (attend_to_expansion_tokens / attend_to_mask_tokens "
+        "false) is not supported: only the native BERT / RoBERTa / XLM-R / MPNet bodies run "
+        "it as PyLate does; set attend_to_expansion_tokens true in "
+        "config_sentence_transformers.json if the checkpoint was trained that way"
+    )
 
 
 def _position_max_model_len(
