@@ -148,8 +148,8 @@ class PoolingParams:
             ),
             "extra_kwargs": (bool(self.extra_kwargs), "extra pooler keyword arguments"),
             "output_kind": (
-                self.output_kind is not None and getattr(self.output_kind, "name", self.output_kind)
-                not in ("FINAL_ONLY", 2),
+                self.output_kind is not None
+                and getattr(self.output_kind, "name", self.output_kind) not in ("FINAL_ONLY", 2),
                 "streamed pooling outputs (pooling is FINAL_ONLY)",
             ),
         }
