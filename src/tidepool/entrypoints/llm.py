@@ -357,7 +357,8 @@ class LLM:
         check_task_supported(self.model_config, "score")
         check_score_prompts(self.model_config, prompt_name, document_prompt_name)
         pairs = expand_score_pairs(_as_list(data_1, "data_1"), _as_list(data_2, "data_2"))
-        rule = scoring_rule(self.model_config.task, self.model_config.multi_vector is not None)
+        mc = self.model_config
+        rule = scoring_rule(mc.task, mc.multi_vector is not None, mc.default_pooling_task)
 
         def encode(texts: list[Any], task: str, name: str | None):
             return self._encode_raw(
@@ -365,6 +366,8 @@ class LLM:
             )
 
         if rule == "late_interaction":
+            if mc.multi_vector is None:  # a token_embed model: the caller's prompts
+                return score_by_late_interaction(pairs, encode, prompt_name, document_prompt_name)
             return score_by_late_interaction(pairs, encode)
         if rule == "cosine":
             return score_by_embedding(pairs, encode, prompt_name, document_prompt_name)

@@ -319,6 +319,8 @@ def _add_routes(
             async def work() -> Response:
                 model = models.resolve(getattr(body, "model", None))
                 result = await service(model)(body)
+                if isinstance(result, Response):  # a binary answer (encoding_format bytes)
+                    return result
                 if not isinstance(result, BaseModel):  # checks passed: the 200 goes out now
                     return _event_stream(within_deadline(result, raw_request.scope, admission))
                 if count_tokens:
