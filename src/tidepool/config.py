@@ -164,7 +164,8 @@ class PoolerConfig:
         kind = self.pooling_type
         if kind is not None:
             for other in ("seq_pooling_type", "tok_pooling_type"):
-                if getattr(self, other) is not None:
+                given = getattr(self, other)
+                if given is not None and str(given).upper() != str(kind).upper():
                     raise ValueError(f"give pooling_type or {other}, not both")
             name = (
                 "tok_pooling_type" if str(kind).upper() in TOK_POOLING_TYPES else "seq_pooling_type"
