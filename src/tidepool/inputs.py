@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TypedDict, Union
-
+from typing import TypedDict
 
 
 class TextPrompt(TypedDict):
@@ -20,7 +19,7 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
 
 
-SingletonPrompt = Union[str, TextPrompt, TokensPrompt]
+SingletonPrompt = str | TextPrompt | TokensPrompt
 PromptType = SingletonPrompt
 
 __all__ = ["PromptType", "SingletonPrompt", "TextPrompt", "TokensPrompt"]

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tidepool
 from tidepool import (
     LLM,
     AsyncEngineArgs,
