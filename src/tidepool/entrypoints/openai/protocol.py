@@ -118,9 +118,9 @@ class _ListResponse(OpenAIBaseModel):
 
 class EmbeddingRequest(PoolingFields, ChatFields):
     model: Str | None = None
-    input: Any = None
+    input: Any
     """A string, a list of strings, a list of token ids, or a list of token-id lists (or give
-    `messages`)."""
+    `messages` instead)."""
     encoding_format: EncodingFormat = "float"
     dimensions: Int | None = None
     user: Str | None = None
@@ -173,8 +173,8 @@ class PoolingResponse(_ListResponse):
 
 class ClassificationRequest(PoolingFields, ChatFields):
     model: Str | None = None
-    input: Any = None
-    """A string or a list of strings (token ids also accepted), or give `messages`."""
+    input: Any
+    """A string or a list of strings (token ids also accepted), or give `messages` instead."""
     truncate_prompt_tokens: Int | None = None
     user: Str | None = None
     activation: Bool | None = None

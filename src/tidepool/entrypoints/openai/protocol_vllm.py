@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
 
 Int = StrictInt
 Bool = StrictBool
@@ -48,3 +48,11 @@ class ChatFields(_Base):
     """None: True for `input`, False for `messages` (the template writes them), as vLLM."""
     media_io_kwargs: dict[str, Any] | None = None
     """Refused (text models only)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_stand_for_input(cls, data: Any) -> Any:
+        """`input` is required unless `messages` is given (vLLM's two request forms)."""
+        if isinstance(data, dict) and "messages" in data and "input" not in data:
+            data = {**data, "input": None}
+        return data
