@@ -42,8 +42,10 @@ from tidepool.models.transformers_attention import (
     register_attention,
 )
 from tidepool.models.transformers_wrappers import (
+    EOS_POOLED_ENCODERS,
     TransformersDecoderModel,
     TransformersEncoderModel,
+    TransformersEosPooledEncoder,
     attention_modules,
 )
 
@@ -96,7 +98,10 @@ def resolve_hf_class(
 
     mapping_name, auto_key = _AUTO_CLASSES[task]
     by_model_type = getattr(modeling_auto, mapping_name).get(getattr(hf_config, "model_type", None))
-    if has_hf_class(architecture) and (task != "embed" or architecture == by_model_type):
+    own_embedding = task == "embed" and architecture in EOS_POOLED_ENCODERS  # CLIP's projection
+    if has_hf_class(architecture) and (
+        task != "embed" or architecture == by_model_type or own_embedding
+    ):
         return getattr(transformers, architecture)
     auto_map = getattr(hf_config, "auto_map", None) or {}
     if not has_hf_class(architecture) and auto_key in auto_map:
@@ -335,6 +340,8 @@ def build_transformers_model(config: ModelConfig, with_weights: bool = True) -> 
     model: TransformersDecoderModel | TransformersEncoderModel
     if info.is_causal:
         model = TransformersDecoderModel(hf_model, config)
+    elif config.task == "embed" and type(hf_model).__name__ in EOS_POOLED_ENCODERS:
+        model = TransformersEosPooledEncoder(hf_model, config, info.position_offset)
     else:
         model = TransformersEncoderModel(hf_model, config, info.position_offset)
     # Builds the CPU attention kernel now, if it runs here.
