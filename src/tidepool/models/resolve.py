@@ -68,8 +68,11 @@ class ResolvedModel:
     sparse: SparseHeadConfig | None = None
     """The sparse head's settings (SPLADE pooling, BGE-M3's skipped tokens)."""
     fallback_on_forward_error: bool = False
-    """auto chose the transformers backend for an encoder: a dry forward decides whether the
-    fallback runs it instead (models/fallback.py: fallback_if_backend_fails)."""
+    """auto chose the transformers backend for an encoder: the load-time check decides whether
+    the fallback runs it instead (models/fallback.py: fallback_if_backend_fails)."""
+    check_at_load: bool = False
+    """The transformers backend runs an encoder: it proves itself at load (under
+    model_impl="transformers" a disagreement is an error)."""
 
 
 def build_model_config(
@@ -132,10 +135,10 @@ def build_model_config(
         multi_vector=multi_vector,
         quantization=quantization,
     )
-    if resolved.fallback_on_forward_error:
+    if resolved.check_at_load:
         from tidepool.models.fallback import fallback_if_backend_fails
 
-        config = fallback_if_backend_fails(config)
+        config = fallback_if_backend_fails(config, strict=not resolved.fallback_on_forward_error)
     return config
 
 
@@ -184,6 +187,7 @@ def resolve_model(
                 output_head,
                 sparse,
                 fallback_ok,
+                check_at_load=not info.is_causal,
             )
         except UnsupportedAttentionError as e:
             if model_impl != "auto" or task == "generate":

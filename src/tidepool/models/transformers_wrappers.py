@@ -286,29 +286,25 @@ projection (text_embeds): transformers' CLIP text towers, as CLIPModel.get_text_
 sentence-transformers' CLIP module compute it."""
 
 
-class TransformersEosPooledEncoder(TransformersEncoderModel):
-    """A CLIP text tower: causal layers (the call's is_causal), and an EmbeddingPoolingHead
-    (models/interfaces.py): the pooled embedding is the state at each sequence's EOS token as
-    transformers picks it, through the tower's projection when it has one."""
+class EosPooling:
+    """An EmbeddingPoolingHead (models/interfaces.py) for the HF classes of EOS_POOLED_ENCODERS:
+    the state at each sequence's EOS token as transformers picks it, through the tower's
+    projection when it has one. Mixed into the backend's and the fallback's encoder wrappers."""
 
     own_pooling_name = "EOS"
-    default_pooling_type = "LAST"
-    """Where sentence-transformers metadata names none, the pooler calls pool_embeddings."""
+    embedding_size: int
+    _projection: nn.Module | None
+    _eos_token_id: int | None
 
-    def __init__(self, hf_model: nn.Module, config: ModelConfig, position_offset: int) -> None:
-        super().__init__(hf_model, config, position_offset)
-        self.default_pooling_type = "LAST"
+    def _init_eos_pooling(self, hf_model: nn.Module) -> None:
         projection = EOS_POOLED_ENCODERS[type(hf_model).__name__]
-        self._projection: nn.Module | None = None if projection is None else getattr(
-            hf_model, projection
-        )
+        self._projection = None if projection is None else getattr(hf_model, projection)
         eos = getattr(hf_model.base_model, "eos_token_id", hf_model.config.eos_token_id)
         self._eos_token_id = None if eos is None else int(eos)
-        self.embedding_size = int(
-            hf_model.config.hidden_size
-            if self._projection is None
-            else self._projection.out_features  # type: ignore[arg-type]
-        )
+        width = hf_model.config.hidden_size
+        if self._projection is not None:
+            width = self._projection.out_features
+        self.embedding_size = int(width)
 
     def pool_embeddings(
         self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor
@@ -316,12 +312,12 @@ class TransformersEosPooledEncoder(TransformersEncoderModel):
         """transformers' rule (CLIPTextModel.forward): with the legacy eos_token_id 2, the first
         position of the sequence's largest id (the EOS of CLIP's vocabulary); else the first
         position of eos_token_id, the sequence's first token where there is none."""
-        num_tokens = hidden.shape[0]
+        num_tokens, num_seqs = hidden.shape[0], cu_seqlens.numel() - 1
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        seq = torch.repeat_interleave(torch.arange(lens.numel(), device=hidden.device), lens)
+        seq = torch.repeat_interleave(torch.arange(num_seqs, device=hidden.device), lens)
         if self._eos_token_id == 2:
             lowest = torch.iinfo(input_ids.dtype).min
-            seq_max = input_ids.new_full((lens.numel(),), lowest)
+            seq_max = input_ids.new_full((num_seqs,), lowest)
             seq_max = seq_max.scatter_reduce(0, seq, input_ids, "amax")
             match = input_ids == seq_max[seq]
         elif self._eos_token_id is None:  # transformers compares with None: no match anywhere
@@ -330,11 +326,22 @@ class TransformersEosPooledEncoder(TransformersEncoderModel):
             match = input_ids == self._eos_token_id
         position = torch.arange(num_tokens, device=hidden.device)
         candidates = torch.where(match, position, num_tokens)
-        first = candidates.new_full((lens.numel(),), num_tokens)
+        first = candidates.new_full((num_seqs,), num_tokens)
         first = first.scatter_reduce(0, seq, candidates, "amin")
         first = torch.where(first == num_tokens, cu_seqlens[:-1], first)
         pooled = hidden.index_select(0, first)
         return pooled if self._projection is None else self._projection(pooled)
+
+
+class TransformersEosPooledEncoder(EosPooling, TransformersEncoderModel):
+    """A CLIP text tower on the backend: causal layers (the call's is_causal), EOS pooling."""
+
+    def __init__(self, hf_model: nn.Module, config: ModelConfig, position_offset: int) -> None:
+        super().__init__(hf_model, config, position_offset)
+        # Where sentence-transformers metadata names no pooling, the pooler calls
+        # pool_embeddings; its Pooling module's mode otherwise (LAST: where CLIP's EOS is).
+        self.default_pooling_type = "LAST"
+        self._init_eos_pooling(hf_model)
 
 
 class TransformersDecoderModel(nn.Module):
