@@ -24,10 +24,13 @@ from tidepool.models.colbert import COLBERT_IR_ARCHITECTURES, load_multi_vector
 from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
 from tidepool.models.quantization import check_quantization, check_quantization_target
 from tidepool.models.registry import (
+    explain_config_error,
     get_model_class,
     has_implementation,
     native_architecture,
+    refuse_unsupported_kind,
     resolve_model_impl,
+    text_tower_config,
 )
 
 RUNNERS = ("auto", "pooling", "generate")
@@ -99,9 +102,13 @@ def build_model_config(
     if convert not in CONVERTS:
         raise ValueError(f"convert must be auto, embed or classify, got {convert!r}")
     path = resolve_model_path(model)
-    hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (ValueError, OSError) as e:
+        raise explain_config_error(path, e, trust_remote_code) from e
     if hf_overrides:
         hf_config.update(dict(hf_overrides))  # top-level keys, as vLLM's dict form
+        hf_config = text_tower_config(hf_config)  # a CLIPModel folder's text tower alone
     resolved = resolve_model(hf_config, path, runner, convert, model_impl, trust_remote_code)
     st = load_sentence_transformers_meta(path)
     # A ColBERT checkpoint (colbert-ir or PyLate layout) is a multi-vector model: token_embed by
@@ -150,6 +157,7 @@ def resolve_model(
     a pooling model the backend cannot run goes to the fallback (models/fallback.py)."""
     checkpoint_arch = _checkpoint_architecture(hf_config)
     task, arch = _resolve_task(checkpoint_arch, runner, convert, model_impl)
+    refuse_unsupported_kind(arch, hf_config, task)  # images, encoder-decoders: say what runs
     head = _output_head(checkpoint_arch, task, arch, path, convert, model_impl)
     if head is not None:
         task, arch = head.task, head.architecture
