@@ -170,7 +170,9 @@ def test_clip_text_with_st_pooling_matches_sentence_transformers(kind, clip_tiny
 
     folder = tmp_path / kind
     shutil.copytree(clip_tiny(kind)[0], folder)
-    write_st_metadata(folder, {"word_embedding_dimension": SIZES["hidden_size"], "pooling_mode": "mean"})
+    write_st_metadata(
+        folder, {"word_embedding_dimension": SIZES["hidden_size"], "pooling_mode": "mean"}
+    )
     expected = torch.from_numpy(SentenceTransformer(str(folder), device="cpu").encode(TEXTS))
     llm = LLM(str(folder), device="cpu", dtype="float32")
     _, got = _embed(llm, TEXTS)

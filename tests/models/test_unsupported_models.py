@@ -33,8 +33,12 @@ TEXT = dict(
     initializer_range=0.2,
 )
 VISION = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-    image_size=32, patch_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    image_size=32,
+    patch_size=16,
 )
 MODELS = {
     "clip": lambda: transformers.CLIPModel(
@@ -129,7 +133,9 @@ def test_t5_for_conditional_generation_is_refused_and_its_encoder_runs(saved, ca
     with torch.inference_mode():
         expected = torch.stack(
             [
-                hf.encoder(input_ids=torch.tensor([o.prompt_token_ids])).last_hidden_state[0].mean(0)
+                hf.encoder(input_ids=torch.tensor([o.prompt_token_ids]))
+                .last_hidden_state[0]
+                .mean(0)
                 for o in outs
             ]
         )

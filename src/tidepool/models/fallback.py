@@ -113,7 +113,7 @@ def fallback_if_backend_fails(config: ModelConfig, strict: bool = False) -> Mode
         return config
     if strict:
         raise BackendDisagreementError(
-            f"{config.architecture}: {disagreement}. model_impl=\"auto\" runs it on the fallback "
+            f'{config.architecture}: {disagreement}. model_impl="auto" runs it on the fallback '
             "(transformers' own attention on padded batches)"
         )
     args = (config.hf_config, config.path, config.trust_remote_code, disagreement)

@@ -239,7 +239,7 @@ def refuse_unsupported_kind(architecture: str, hf_config: Any, task: str) -> Non
     ):
         encoder = _ENCODERS.get(model_type)
         hint = (
-            f'Its encoder alone runs as an embedding model (MEAN pooling, as sentence-t5 / GTR): '
+            f"Its encoder alone runs as an embedding model (MEAN pooling, as sentence-t5 / GTR): "
             f'hf_overrides={{"architectures": ["{encoder}"]}}'
             if encoder
             else "tidepool has no encoder-only model for it"

@@ -110,9 +110,7 @@ def _compare(
     )
 
 
-def _disagreement(
-    name: str, ours: torch.Tensor, theirs: torch.Tensor, rtol: float
-) -> str | None:
+def _disagreement(name: str, ours: torch.Tensor, theirs: torch.Tensor, rtol: float) -> str | None:
     if ours.shape != theirs.shape:
         return f"{name} of shape {tuple(ours.shape)}, transformers' {tuple(theirs.shape)}"
     theirs = theirs.to(ours.dtype)

@@ -178,9 +178,9 @@ def _embeddings_in_chunks(hf_model: nn.Module, limit: int) -> None:
 
         pieces = []
         for start in range(0, length, limit):
-            out = forward(*(piece(a, start) for a in args), **{
-                k: piece(v, start) for k, v in kwargs.items()
-            })
+            out = forward(
+                *(piece(a, start) for a in args), **{k: piece(v, start) for k, v in kwargs.items()}
+            )
             if not isinstance(out, torch.Tensor):
                 raise UnsupportedAttentionError(
                     f"{type(parent).__name__} returns {type(out).__name__}, not one tensor: "
