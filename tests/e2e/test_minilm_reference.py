@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from tidepool import LLM, PoolingParams
+from tidepool.models.hub import HubOptions, find_in_cache
 from tidepool.models.loader import DEFAULT_MODEL as MINILM_ID
-from tidepool.models.loader import _find_in_hf_cache
 
 pytestmark = pytest.mark.slow  # the real model: ~10 s in all
 
@@ -117,7 +117,9 @@ def tp_embeddings(minilm_llm, texts) -> torch.Tensor:
 def test_default_id_resolves_offline_to_packaged_model(minilm_llm, minilm_path: Path):
     config = minilm_llm.model_config
     # Offline: a copy in the local Hugging Face cache would come first, else the package.
-    assert config.path == (_find_in_hf_cache(MINILM_ID) or minilm_path.resolve())
+    cached = find_in_cache(MINILM_ID, HubOptions())
+    expected = cached.path if cached is not None and not cached.missing else minilm_path.resolve()
+    assert config.path == expected
     assert config.architecture == "BertModel"
     assert config.max_model_len == MAX_LEN
     assert config.st.pooling_mode == "MEAN" and config.st.normalize
