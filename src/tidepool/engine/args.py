@@ -70,9 +70,11 @@ class EngineArgs:
     score_template: str | None = None
     """Decoder rerankers: the prompt of each (query, document) pair, with `{query}` and
     `{document}` (and `{instruction}`), a built-in name ("qwen3_reranker"), a file, or "none";
-    None: Qwen3-Reranker's own template when the model is one (engine/score_template.py)."""
+    None / "none": no template, the pair read as vLLM reads it (an LM reranker: the two texts
+    concatenated as given; engine/score_template.py)."""
     score_instruction: str | None = None
-    """The template's `{instruction}`; None: the built-in template's default."""
+    """The score template's `{instruction}` (needs `score_template`); None: the built-in's
+    default."""
     quantization: str | None = None
     """ "int8" (vLLM's argument name): int8 weights (per output channel) and activations (per
     token) in the linear layers of native encoders on CPU; None: none."""

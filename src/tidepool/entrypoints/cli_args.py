@@ -93,12 +93,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--score-template",
         default=None,
         help="LLM rerankers: the pair prompt with {query} and {document}, a file, or a built-in "
-        "(default: the model's own, if any)",
+        "(qwen3_reranker); default none: the pair as given (vLLM's concatenation)",
     )
     parser.add_argument(
         "--score-instruction",
         default=None,
-        help="the template's {instruction} (default: the built-in's)",
+        help="the score template's {instruction} (default: the built-in's)",
     )
     parser.add_argument(
         "--pooler-config",

@@ -22,6 +22,7 @@ from tidepool import envs
 from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
 from tidepool.models.colbert import COLBERT_IR_ARCHITECTURES, load_multi_vector
 from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
+from tidepool.models.pooling_choice import declares_st_pooling, log_pooling, log_st_embedder
 from tidepool.models.quantization import check_quantization, check_quantization_target
 from tidepool.models.registry import (
     get_model_class,
@@ -108,6 +109,8 @@ def build_model_config(
         found := load_multi_vector(path, _checkpoint_architecture(hf_config), st)
     ):
         multi_vector, st = found
+    if resolved.task == "embed" and resolved.output_head == "task" and multi_vector is None:
+        log_pooling(resolved.architecture, resolved.model_impl, resolved.is_causal, st)
     torch_device = torch.device(device) if device else default_device()
     model_dtype = resolve_dtype(dtype, torch_device, _checkpoint_dtype(hf_config))
     check_quantization(quantization, resolved.architecture, resolved.model_impl)
@@ -146,6 +149,10 @@ def resolve_model(
     that it can run the HF class (on the meta device: nothing allocated). With model_impl="auto"
     a pooling model the backend cannot run goes to the fallback (models/fallback.py)."""
     checkpoint_arch = _checkpoint_architecture(hf_config)
+    if runner == "auto" and checkpoint_arch.endswith("ForCausalLM") and declares_st_pooling(path):
+        # vLLM's rule (and sentence-transformers'): the folder is an embedder (Qwen3-Embedding).
+        runner = "pooling"
+        log_st_embedder(path, checkpoint_arch)
     task, arch = _resolve_task(checkpoint_arch, runner, convert, model_impl)
     head = _output_head(checkpoint_arch, task, arch, path, convert, model_impl)
     if head is not None:
