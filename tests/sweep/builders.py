@@ -22,6 +22,10 @@ from tiny_decoders import save_tokenizer as save_decoder_tokenizer
 from sweep.grid import Model
 
 QWEN3_YES_NO_CORPUS = ["yes\nno\n"] * 50
+WORDS = (
+    "paris capital france city river blue green house query answer model token engine batch "
+    "score rank search passage document relevant water stone light music table garden"
+).split()
 
 
 def _save_t5_tokenizer(folder: Path) -> int:
@@ -46,13 +50,13 @@ def _save_reranker_tokenizer(folder: Path) -> int:
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
+        vocab_size=700,
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     corpus = [QWEN3_RERANKER_TEMPLATE, QWEN3_RERANKER_INSTRUCTION, *QWEN3_YES_NO_CORPUS]
-    tok.train_from_iterator(corpus + [" ".join(f"word{i}" for i in range(60))], trainer)
+    tok.train_from_iterator(corpus + [" " + " ".join(WORDS)] * 50, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )

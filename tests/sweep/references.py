@@ -79,7 +79,7 @@ def one_token_words(tokenizer, count: int = 400) -> list[str]:
     words = []
     for token, _ in vocab:
         word = tokenizer.convert_tokens_to_string([token]).strip()
-        if not (word.isalpha() and word.islower() and len(word) >= 2):
+        if not (word.isalnum() and word == word.lower() and len(word) >= 2):
             continue
         if len(tokenizer(" " + word, add_special_tokens=False)["input_ids"]) == 1:
             words.append(word)
