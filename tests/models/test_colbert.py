@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import string
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -428,3 +429,18 @@ def test_unattended_expansion_on_every_backend(kind, colbert_paths):
             _assert_close([o.outputs.data for o in got], expected)
     finally:
         model.set_attention_backend(chosen)
+
+
+def test_unattended_expansion_refused_where_the_body_cannot_run_it(colbert_paths, tmp_path):
+    """DeBERTa's reference zeroes the expansion tokens' embeddings besides masking them as keys
+    (its embedding mask), which tidepool's per-sequence key counts do not: refused at load,
+    naming the option, instead of vectors that differ from PyLate's."""
+    from transformers import DebertaV2Config
+
+    folder = tmp_path / "deberta-colbert"
+    shutil.copytree(colbert_paths["pylate_masked"], folder)
+    DebertaV2Config(**TINY_SIZES).save_pretrained(str(folder))
+    from tidepool import LLM
+
+    with pytest.raises(ValueError, match="attend_to_expansion_tokens"):
+        LLM(str(folder))

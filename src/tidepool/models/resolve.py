@@ -12,6 +12,7 @@ frozen dataclasses.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,11 @@ import torch
 from tidepool import envs
 from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
 from tidepool.models.colbert import COLBERT_IR_ARCHITECTURES, load_multi_vector
-from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
+from tidepool.models.loader import (
+    check_remote_code_config,
+    load_sentence_transformers_meta,
+    locate_model,
+)
 from tidepool.models.pooling_choice import declares_st_pooling, log_pooling, log_st_embedder
 from tidepool.models.quantization import check_quantization, check_quantization_target
 from tidepool.models.registry import (
@@ -47,6 +52,8 @@ _ROBERTA_LIKE = ("Roberta", "XLMRoberta", "Camembert", "MPNet")
 
 # Causal LMs whose body is not named <prefix>Model (Gemma3Model is the multimodal model).
 _CAUSAL_LM_BODIES = {"Gemma3ForCausalLM": "Gemma3TextModel"}
+
+logger = logging.getLogger("tidepool")
 
 
 @dataclass(frozen=True)
@@ -86,17 +93,29 @@ def build_model_config(
     model_impl: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
     quantization: str | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    hf_token: str | bool | None = None,
 ) -> ModelConfig:
-    """The ModelConfig of `model` (a folder or a model id found offline); raises ValueError for a
-    choice the model cannot run (a runner without a head, a dtype, a too long max_model_len).
-    `hf_overrides` (vLLM's name) replaces keys of config.json's config before anything reads it."""
+    """The ModelConfig of `model` (a folder, or a model id: cache, Hub or package, see
+    models/loader.py); raises ValueError for a choice the model cannot run (a runner without a
+    head, a dtype, a too long max_model_len). `hf_overrides` (vLLM's name) replaces keys of
+    config.json's config before anything reads it."""
     from transformers import AutoConfig
 
     if runner not in RUNNERS:
         raise ValueError(f"runner must be auto, pooling or generate, got {runner!r}")
     if convert not in CONVERTS:
         raise ValueError(f"convert must be auto, embed or classify, got {convert!r}")
-    path = resolve_model_path(model)
+    location = locate_model(
+        model,
+        revision=revision,
+        download_dir=download_dir,
+        hf_token=hf_token,
+        trust_remote_code=trust_remote_code,
+    )
+    path = location.path
+    check_remote_code_config(path, trust_remote_code)
     hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if hf_overrides:
         hf_config.update(dict(hf_overrides))  # top-level keys, as vLLM's dict form
@@ -109,6 +128,7 @@ def build_model_config(
         found := load_multi_vector(path, _checkpoint_architecture(hf_config), st)
     ):
         multi_vector, st = found
+        _check_multi_vector_body(multi_vector, resolved)
     if resolved.task == "embed" and resolved.output_head == "task" and multi_vector is None:
         log_pooling(resolved.architecture, resolved.model_impl, resolved.is_causal, st)
     torch_device = torch.device(device) if device else default_device()
@@ -134,6 +154,9 @@ def build_model_config(
         sparse=resolved.sparse,
         multi_vector=multi_vector,
         quantization=quantization,
+        revision=revision,
+        source=location.source,
+        commit=location.commit,
     )
     if resolved.fallback_on_forward_error:
         from tidepool.models.fallback import fallback_if_backend_fails
@@ -413,7 +436,29 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _derived_max_model_len(
+# Query expansion tokens that are not attended to run as per-sequence key counts (the attention
+# backends' key_lens). DeBERTa's reference also zeroes those tokens' embeddings (its embedding
+# mask), which key counts do not; the transformers backend / fallback pass no key counts.
+_KEY_LENS_BODIES = ("Bert", "Roberta", "XLMRoberta", "MPNet", "HF_ColBERT")
+
+
+def _check_multi_vector_body(meta: Any, resolved: ResolvedModel) -> None:
+    """Refuse a ColBERT body whose [MASK] expansion, not attended to, tidepool cannot run as the
+    reference does (PyLate / colbert-ir give those keys attention mask 0)."""
+    if not meta.do_query_expansion or meta.attend_to_expansion_tokens:
+        return
+    if resolved.model_impl == "native" and resolved.architecture.startswith(_KEY_LENS_BODIES):
+        return
+    raise ValueError(
+        f"a ColBERT model on {resolved.architecture} ({resolved.model_impl}) with query "
+        "expansion that is not attended to (attend_to_expansion_tokens / attend_to_mask_tokens "
+        "false) is not supported: only the native BERT / RoBERTa / XLM-R / MPNet bodies run "
+        "it as PyLate does; set attend_to_expansion_tokens true in "
+        "config_sentence_transformers.json if the checkpoint was trained that way"
+    )
+
+
+def _position_max_model_len(
     hf_config: Any, resolved: ResolvedModel, st: SentenceTransformersMeta
 ) -> int:
     """The longest prompt the model's positions allow (and sentence-transformers' cap)."""
@@ -434,8 +479,22 @@ def _resolve_max_model_len(
     resolved: ResolvedModel,
     st: SentenceTransformersMeta,
 ) -> int:
-    derived = _derived_max_model_len(hf_config, resolved, st)
+    """max_model_len, or by default the positions' limit; for a plain (not sentence-transformers)
+    bidirectional encoder whose tokenizer says a shorter model_max_length, that length, where
+    sentence-transformers' SentenceTransformer / CrossEncoder truncate: longer texts are then
+    refused (or cut with truncate_prompt_tokens), never scored past the reference's length. An
+    explicit max_model_len may go up to the positions' limit."""
+    derived = _position_max_model_len(hf_config, resolved, st)
     if max_model_len is None:
+        cap = st.tokenizer_max_length
+        if not st.is_sentence_transformer and not resolved.is_causal and cap and cap < derived:
+            logger.info(
+                "max_model_len %d: the tokenizer's model_max_length (sentence-transformers "
+                "truncates there), below the %d positions; max_model_len= lifts it",
+                cap,
+                derived,
+            )
+            return cap
         return derived
     if max_model_len > derived:
         raise ValueError(

@@ -39,7 +39,9 @@ def _onednn_available(dtype: torch.dtype) -> bool:
     """oneDNN's packed linear runs this dtype here. Its bfloat16 kernels need AVX-512 (BW, VL,
     DQ) or AVX-NE-CONVERT: on an AVX2-only CPU the weight reorder raises, so bfloat16 weights
     keep F.linear there (aten's own bfloat16 GEMM)."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
         return False
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
