@@ -7,8 +7,13 @@ from tidepool import envs
 
 envs.apply_openmp_defaults()  # before anything imports torch
 
+from tidepool.config import PoolerConfig  # noqa: E402
+from tidepool.engine.args import AsyncEngineArgs, EngineArgs  # noqa: E402
+from tidepool.engine.async_llm_engine import AsyncLLMEngine  # noqa: E402
+from tidepool.engine.llm_engine import LLMEngine  # noqa: E402
 from tidepool.entrypoints.bge_m3 import bge_m3_compute_score  # noqa: E402
 from tidepool.entrypoints.llm import LLM  # noqa: E402
+from tidepool.inputs import PromptType, TextPrompt, TokensPrompt  # noqa: E402
 from tidepool.outputs import (  # noqa: E402
     BatchInputError,
     ClassificationOutput,
@@ -31,6 +36,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "EngineArgs",
+    "AsyncEngineArgs",
+    "AsyncLLMEngine",
+    "LLMEngine",
+    "PoolerConfig",
+    "PromptType",
+    "TextPrompt",
+    "TokensPrompt",
     "quantize_embeddings",
     "bge_m3_compute_score",
     "PoolingParams",

@@ -106,8 +106,22 @@ CHUNK_SCORE_AGGREGATIONS = ("max", "mean", "first")
 
 @dataclass(frozen=True)
 class PoolerConfig:
-    """How pooled outputs are made beyond the model's own files (vLLM's --pooler-config)."""
+    """How pooled outputs are made beyond the model's own files (vLLM's --pooler-config, with
+    vLLM 0.32's field names)."""
 
+    task: str | None = None
+    """The pooling task a call that names none runs (vLLM's `task`): one the model serves, e.g.
+    "token_embed" makes an embedding model answer per token and score by MaxSim; None: the
+    model's own first task."""
+    pooling_type: str | None = None
+    """Shorthand (vLLM's): a sequence pooling ("CLS", "MEAN", "LAST", "MAX") sets
+    `seq_pooling_type`, "ALL" sets `tok_pooling_type`."""
+    seq_pooling_type: str | None = None
+    """Replaces the pooling of the model's files (1_Pooling/config.json): "CLS", "MEAN", "LAST"
+    (vLLM's) or "MAX"; None: the model's own."""
+    tok_pooling_type: str | None = None
+    """Per-token pooling: "ALL" (every token's vector, what token_embed gives); vLLM's "STEP"
+    (reward models) is refused."""
     enable_chunked_processing: bool = False
     """A text longer than max_model_len is split into chunks that each fit (special tokens
     added to each), run as separate sequences, and their outputs combined (engine/chunked.py);
@@ -118,6 +132,18 @@ class PoolerConfig:
     chunk_score_aggregation: str = "max"
     """Cross-encoders with chunked processing: a long document's score from its chunks' scores
     (each chunk paired with the query): "max", "mean" or "first"."""
+    # vLLM fields tidepool does not implement: refused unless left at None.
+    use_activation: bool | None = None
+    dimensions: int | None = None
+    logit_mean: float | None = None
+    logit_sigma: float | None = None
+    logit_bias: float | None = None
+    logit_scale: float | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
+    normalize: bool | None = None
+    softmax: bool | None = None
+    activation: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_embed_len is not None and (
@@ -131,6 +157,56 @@ class PoolerConfig:
                 f"chunk_score_aggregation must be one of {', '.join(CHUNK_SCORE_AGGREGATIONS)}, "
                 f"got {self.chunk_score_aggregation!r}"
             )
+        for name in POOLER_CONFIG_REFUSED:
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"pooler_config {name} is not supported here: {POOLER_CONFIG_REFUSED[name]}"
+                )
+        self._resolve_pooling_type()
+
+    def _resolve_pooling_type(self) -> None:
+        """`pooling_type` into seq_ / tok_pooling_type (vLLM's rule), then the checks."""
+        kind = self.pooling_type
+        if kind is not None:
+            for other in ("seq_pooling_type", "tok_pooling_type"):
+                given = getattr(self, other)
+                if given is not None and str(given).upper() != str(kind).upper():
+                    raise ValueError(f"give pooling_type or {other}, not both")
+            name = (
+                "tok_pooling_type" if str(kind).upper() in TOK_POOLING_TYPES else "seq_pooling_type"
+            )
+            object.__setattr__(self, name, kind)
+        seq, tok = self.seq_pooling_type, self.tok_pooling_type
+        if seq is not None:
+            object.__setattr__(self, "seq_pooling_type", str(seq).upper())
+            if self.seq_pooling_type not in SEQ_POOLING_TYPES:
+                raise ValueError(
+                    f"seq_pooling_type must be one of {', '.join(SEQ_POOLING_TYPES)}, got {seq!r}"
+                )
+        if tok is not None:
+            object.__setattr__(self, "tok_pooling_type", str(tok).upper())
+            if self.tok_pooling_type != "ALL":
+                raise ValueError(
+                    f"tok_pooling_type {tok!r} is not supported here: only ALL (every token's "
+                    "vector; vLLM's STEP pooling for reward models is not implemented)"
+                )
+
+
+SEQ_POOLING_TYPES = ("CLS", "MEAN", "LAST", "MAX")
+TOK_POOLING_TYPES = ("ALL", "STEP")
+POOLER_CONFIG_REFUSED = {
+    "use_activation": "give use_activation per request (PoolingParams, or the HTTP field)",
+    "dimensions": "give dimensions per request (PoolingParams, or the HTTP field)",
+    "logit_mean": "no score calibration (Platt scaling) of classifier logits",
+    "logit_sigma": "no score calibration (Platt scaling) of classifier logits",
+    "logit_bias": "no score calibration (Platt scaling) of classifier logits",
+    "logit_scale": "no score calibration (Platt scaling) of classifier logits",
+    "step_tag_id": "no STEP pooling (reward models)",
+    "returned_token_ids": "no STEP pooling (reward models)",
+    "normalize": "removed in vLLM; give use_activation per request",
+    "softmax": "removed in vLLM; give use_activation per request",
+    "activation": "removed in vLLM; give use_activation per request",
+}
 
 
 @dataclass(frozen=True)
@@ -193,6 +269,15 @@ class ModelConfig:
     commit: str | None = None
     """The Hub commit of the snapshot (from the cache or the Hub); None for a local folder or a
     package."""
+    tokenizer: str | None = None
+    """Where the tokenizer loads from (a folder or a cached model id); None: the model's folder."""
+    chat_template: str | None = None
+    """The chat template (Jinja) that replaces the tokenizer's; None: the tokenizer's own."""
+
+    @property
+    def tokenizer_source(self) -> str:
+        """What `AutoTokenizer.from_pretrained` loads: `tokenizer`, else the model's folder."""
+        return self.tokenizer or str(self.path)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or self.max_model_len < 1:
@@ -234,6 +319,8 @@ class ModelConfig:
         """The pooling task of a call that names none: the model's first (embed for an
         embedder, classify for a classifier, token_classify for a token classifier)."""
         tasks = self.pooling_tasks
+        if self.pooler.task is not None:
+            return self.pooler.task
         return tasks[0] if tasks else "embed"
 
     @property

@@ -22,6 +22,8 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     outputs: PoolingOutput
     finished: bool = True
+    num_cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache (causal models; 0 for encoders), as vLLM's."""
 
 
 @dataclass
@@ -39,13 +41,20 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
         data = out.outputs.data
         if data.dim() != 1:
             raise ValueError("an embedding output must be 1-D; use encode() for token embeddings")
-        return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(data.tolist()), True)
+        return cls(
+            out.request_id,
+            out.prompt_token_ids,
+            EmbeddingOutput(data.tolist()),
+            True,
+            out.num_cached_tokens,
+        )
 
 
 @dataclass
@@ -63,11 +72,15 @@ class ClassificationRequestOutput:
     prompt_token_ids: list[int]
     outputs: ClassificationOutput
     finished: bool = True
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
         return cls(
-            out.request_id, out.prompt_token_ids, ClassificationOutput(out.outputs.data.tolist())
+            out.request_id,
+            out.prompt_token_ids,
+            ClassificationOutput(out.outputs.data.tolist()),
+            num_cached_tokens=out.num_cached_tokens,
         )
 
 
@@ -93,6 +106,7 @@ class SparseEmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: SparseEmbeddingOutput
     finished: bool = True
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput, tokenizer=None) -> SparseEmbeddingRequestOutput:
@@ -100,7 +114,10 @@ class SparseEmbeddingRequestOutput:
         indices, values = sparse_pairs(out.outputs.data)
         tokens = None if tokenizer is None else tokenizer.convert_ids_to_tokens(indices)
         return cls(
-            out.request_id, out.prompt_token_ids, SparseEmbeddingOutput(indices, values, tokens)
+            out.request_id,
+            out.prompt_token_ids,
+            SparseEmbeddingOutput(indices, values, tokens),
+            num_cached_tokens=out.num_cached_tokens,
         )
 
 
@@ -123,6 +140,7 @@ class ScoringRequestOutput:
     prompt_token_ids: list[int]
     outputs: ScoringOutput
     finished: bool = True
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -169,6 +187,15 @@ class RequestOutput:
     finished: bool = True
     prompt_logprobs: None = None
     """Not computed (always None)."""
+    num_cached_tokens: int | None = None
+    """vLLM's prefix-cache hit count; not counted for generation here (None)."""
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
+    """vLLM's fields with no meaning here (no metrics object, LoRA, encoder-decoder or KV
+    transfer): always None, present so code that reads them runs."""
 
     @property
     def finish_reason(self) -> str | None:

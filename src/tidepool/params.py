@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import copy
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 PoolingTask = Literal["embed", "classify", "score", "token_embed", "token_classify", "embed_sparse"]
 POOLING_TASKS: tuple[str, ...] = (
@@ -16,24 +18,45 @@ POOLING_TASKS: tuple[str, ...] = (
 )
 """Task names a request may carry: vLLM's, and "embed_sparse" (TEI's /embed_sparse: (token id,
 weight) pairs of a SPLADE or BGE-M3 model). A model serves some of them
-(`ModelConfig.pooling_tasks`); the pooler refuses the others, naming the ones it serves."""
+(`ModelConfig.pooling_tasks`); the pooler refuses the others, naming the ones it serves. vLLM's
+newest releases fold "score" into "classify"; tidepool keeps "score" (a cross-encoder's pair
+score) as the name of the same thing, so code written for either release runs."""
+
+_REFUSED_TASKS = {
+    "encode": "the `encode` task was removed in vLLM; use token_embed or token_classify",
+    "plugin": "IO-processor plugins (task 'plugin') are not supported here",
+    "embed&token_classify": "the combined task 'embed&token_classify' is not supported here; "
+    "run embed and token_classify as two requests",
+}
+
+_DEPRECATED_ALIASES = ("normalize", "activation", "softmax")
+
+
+def check_pooling_task(task: object) -> None:
+    """ValueError naming the task unless it is one of POOLING_TASKS (vLLM's removed / unsupported
+    task names get their own reason)."""
+    if isinstance(task, str) and task in _REFUSED_TASKS:
+        raise ValueError(_REFUSED_TASKS[task])
+    if task not in POOLING_TASKS:
+        raise ValueError(f"unknown pooling task {task!r}; expected one of {POOLING_TASKS}")
 
 
 @dataclass
 class PoolingParams:
-    """What a pooling request wants from its output stage (mirrors vLLM's PoolingParams)."""
+    """What a pooling request wants from its output stage (vLLM's PoolingParams, as vLLM 0.32
+    has it: `use_activation` for every task; `normalize` / `activation` / `softmax` kept as
+    deprecated aliases)."""
 
-    task: PoolingTask | None = None
-    """Filled in by the entry point (`LLM.embed` sets "embed", ...)."""
-    dimensions: int | None = None
-    """Matryoshka: keep the first `dimensions` values of the embedding, then renormalize."""
-    normalize: bool | None = None
-    """Embeddings: L2-normalize. None = what the model's sentence-transformers modules say."""
-    activation: bool | None = None
-    """Classify / score: apply softmax (sigmoid for one label). None = yes."""
     truncate_prompt_tokens: int | None = None
     """Keep at most this many tokens (special tokens included); -1 = the model's max length."""
-    truncation_side: Literal["right", "left"] = "right"
+    use_activation: bool | None = None
+    """Embeddings: L2-normalize; classify / score: softmax (sigmoid for one label). None = the
+    model's default (embeddings: what its sentence-transformers modules say; scores: yes)."""
+    dimensions: int | None = None
+    """Matryoshka: keep the first `dimensions` values of the embedding, then renormalize."""
+    task: PoolingTask | None = None
+    """Filled in by the entry point (`LLM.embed` sets "embed", ...)."""
+    truncation_side: Literal["right", "left"] | None = "right"
     """Which end of a text `truncate_prompt_tokens` keeps: "right" cuts the end (keeps the first
     tokens), "left" cuts the start (keeps the last; Cohere's truncate=START, TEI's Left)."""
     max_active_dims: int | None = None
@@ -43,16 +66,34 @@ class PoolingParams:
     """The model's prompt (config_sentence_transformers.json) put before the text; None = its
     default_prompt_name. ColBERT models: "query" or "document" (the default) chooses how the
     text is encoded. Token-id prompts get no prompt (engine/prompts.py)."""
+    # vLLM's step-pooling and internal fields: accepted at their defaults, refused otherwise.
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
+    requires_token_ids: bool = False
+    skip_reading_prefix_cache: bool | None = None
+    late_interaction_params: Any = None
+    extra_kwargs: dict[str, Any] | None = None
+    output_kind: Any = None
+    # Deprecated aliases of use_activation (vLLM's older names): folded into it, then None.
+    normalize: bool | None = field(default=None, repr=False)
+    activation: bool | None = field(default=None, repr=False)
+    softmax: bool | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._resolve_aliases()
+        self._refuse_vllm_only()
+        if self.truncation_side is None:
+            self.truncation_side = "right"
         if self.truncation_side not in ("right", "left"):
             raise ValueError(
                 f"truncation_side must be 'right' or 'left', got {self.truncation_side!r}"
             )
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be a bool or None, got {self.use_activation!r}")
         if self.prompt_name is not None and not isinstance(self.prompt_name, str):
             raise ValueError(f"prompt_name must be a string, got {self.prompt_name!r}")
-        if self.task is not None and self.task not in POOLING_TASKS:
-            raise ValueError(f"unknown pooling task {self.task!r}; expected one of {POOLING_TASKS}")
+        if self.task is not None:
+            check_pooling_task(self.task)
         if self.dimensions is not None:
             if isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int):
                 raise ValueError(f"dimensions must be an integer, got {self.dimensions!r}")
@@ -68,17 +109,66 @@ class PoolingParams:
             if tpt < -1 or tpt == 0:
                 raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1, got {tpt}")
 
+    def _resolve_aliases(self) -> None:
+        """normalize / activation / softmax → use_activation (a DeprecationWarning; ValueError
+        when two disagree). Afterwards the aliases are None: use_activation is the one value."""
+        for name in _DEPRECATED_ALIASES:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.use_activation is not None and value != self.use_activation:
+                raise ValueError(
+                    f"{name}={value!r} contradicts use_activation={self.use_activation!r}; "
+                    f"{name} is a deprecated alias of use_activation: give use_activation only"
+                )
+            warnings.warn(
+                f"PoolingParams({name}=...) is deprecated (vLLM 0.32 has use_activation for "
+                "every task); use use_activation",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            self.use_activation = value
+        self.normalize = self.activation = self.softmax = None
+
+    def _refuse_vllm_only(self) -> None:
+        refused = {
+            "step_tag_id": (self.step_tag_id is not None, "STEP pooling (reward models)"),
+            "returned_token_ids": (
+                self.returned_token_ids is not None,
+                "STEP pooling (reward models)",
+            ),
+            "requires_token_ids": (bool(self.requires_token_ids), "token ids in pooler outputs"),
+            "skip_reading_prefix_cache": (
+                self.skip_reading_prefix_cache is not None,
+                "a per-request prefix-cache switch (--no-enable-prefix-caching turns it off)",
+            ),
+            "late_interaction_params": (
+                self.late_interaction_params is not None,
+                "vLLM's late-interaction query cache (LLM.score and /score run MaxSim whole)",
+            ),
+            "extra_kwargs": (bool(self.extra_kwargs), "extra pooler keyword arguments"),
+            "output_kind": (
+                self.output_kind is not None
+                and getattr(self.output_kind, "name", self.output_kind) not in ("FINAL_ONLY", 2),
+                "streamed pooling outputs (pooling is FINAL_ONLY)",
+            ),
+        }
+        for name, (given, what) in refused.items():
+            if given:
+                raise ValueError(
+                    f"PoolingParams.{name} is not supported here: tidepool has no {what}"
+                )
+
+    @property
+    def all_parameters(self) -> list[str]:
+        return ["dimensions", "use_activation"]
+
+    def clone(self) -> PoolingParams:
+        """A copy (vLLM's `clone`)."""
+        return copy.deepcopy(self)
+
     def with_task(self, task: PoolingTask) -> PoolingParams:
-        return PoolingParams(
-            task=task,
-            dimensions=self.dimensions,
-            normalize=self.normalize,
-            activation=self.activation,
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
-            truncation_side=self.truncation_side,
-            max_active_dims=self.max_active_dims,
-            prompt_name=self.prompt_name,
-        )
+        return replace(self, task=task)
 
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).

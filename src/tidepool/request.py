@@ -31,6 +31,9 @@ class Request:
     it); None: all of them."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache when the request was scheduled (vLLM's
+    num_cached_tokens); 0 for encoders."""
     output_token_ids: list[int] = field(default_factory=list)
     """Tokens generated so far (empty for pooling requests)."""
     block_hashes: list[bytes] = field(default_factory=list, compare=False, repr=False)

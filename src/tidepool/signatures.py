@@ -36,7 +36,10 @@ def fields_as_keywords(
             params = [param for param in params if param.kind != inspect.Parameter.VAR_KEYWORD]
         num_positional = sum(param.kind in _POSITIONAL for param in params)
         shown = []
+        taken = {param.name for param in params}
         for field in dataclasses.fields(fields_of):
+            if field.name in taken:  # already a parameter of its own (LLM's `model`)
+                continue
             assert field.default is not dataclasses.MISSING, f"{field.name} needs a plain default"
             shown.append(
                 inspect.Parameter(

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-import string
 import shutil
+import string
 import subprocess
 from pathlib import Path
 

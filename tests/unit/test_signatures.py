@@ -19,9 +19,11 @@ def _field_defaults(cls) -> dict:
 
 
 def test_dataclass_fields_show_as_keyword_parameters() -> None:
-    assert _keyword_defaults(LLM) == _field_defaults(EngineArgs)
+    fields = _field_defaults(EngineArgs)
+    fields.pop("model")  # LLM's first, positional parameter
+    assert _keyword_defaults(LLM) == fields
     llm_params = list(inspect.signature(LLM).parameters)
-    assert llm_params[0] == "model" and llm_params[-1] == "kwargs"  # vLLM's ignored arguments
+    assert llm_params[0] == "model" and llm_params[-1] == "kwargs"  # vLLM's other arguments
     predictor = _keyword_defaults(Predictor)
     assert list(predictor) == [*_field_defaults(PredictorOptions), "num_threads", "engine_kwargs"]
     assert predictor["truncate_prompt_tokens"] == -1

@@ -163,6 +163,7 @@ class CausalScheduler(Scheduler):
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
+            request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
             out.restarted_req_ids.add(request.request_id)
             self._add_scheduled(out, request, num_new_tokens, kv.get_block_ids(request.request_id))
@@ -275,7 +276,12 @@ class CausalScheduler(Scheduler):
                     continue  # a prefill chunk short of the prompt's end
                 self._finish(request, "stop")
                 outputs.append(
-                    PoolingCoreOutput(request.request_id, request.prompt_token_ids, pooled)
+                    PoolingCoreOutput(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        pooled,
+                        request.num_cached_tokens,
+                    )
                 )
             else:
                 sampled = runner_out.sampled.get(request.request_id)

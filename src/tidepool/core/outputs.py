@@ -42,6 +42,8 @@ class PoolingCoreOutput:
     """The request's prompt (echoed in its output)."""
     data: PooledData
     """The pooler's tensor for this request."""
+    num_cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache (causal models; 0 for encoders)."""
 
     finished = True
     """A pooling request yields one output, when it finishes."""

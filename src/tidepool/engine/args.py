@@ -1,17 +1,21 @@
-"""The engine's arguments (`LLM(model, **engine_args)`, `AsyncEngine.from_args`, the server's
-flags) and the frozen EngineConfig they build."""
+"""The engine's arguments (`LLM(model, **engine_args)`, `AsyncEngine.from_args`, the CLI's
+flags, generated from the fields: `EngineArgs.add_cli_args`) and the frozen EngineConfig they
+build. vLLM's engine arguments tidepool does not have are in engine/vllm_args.py."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from tidepool import envs
-from tidepool.config import CacheConfig, EngineConfig, PoolerConfig, SchedulerConfig
+from tidepool.config import CacheConfig, EngineConfig, ModelConfig, PoolerConfig, SchedulerConfig
 from tidepool.engine.score_template import resolve_score_template
+from tidepool.engine.vllm_args import VLLM_ARGS, check_vllm_args
 from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.models.resolve import build_model_config
 
@@ -25,12 +29,16 @@ CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineArgs:
-    """The engine arguments of `LLM(model, **engine_args)` and `AsyncEngine.from_args`: the one
-    place that owns their names and defaults."""
+    """The engine arguments of `LLM(model, **engine_args)`, `AsyncEngine.from_args` and the
+    CLI's flags (`add_cli_args`): the one place that owns their names, types, defaults and help.
+    Each field's docstring's first sentence is its flag's help."""
 
-    runner: str = "auto"
+    model: str | None = None
+    """The model: a folder or a model id (`LLM(model)` / `tidepool serve MODEL` give it too);
+    None: the bundled all-MiniLM-L6-v2."""
+    runner: Literal["auto", "pooling", "generate"] = "auto"
     """ "pooling", "generate" or "auto" (from the model's architecture)."""
-    convert: str = "auto"
+    convert: Literal["auto", "embed", "classify"] = "auto"
     """ "embed" or "classify" turns a pooling model into that task; "auto" keeps its own."""
     dtype: str | torch.dtype = "auto"
     """Weights and activations; "auto": float32 on CPU, the model's 16-bit dtype on a GPU."""
@@ -88,12 +96,43 @@ class EngineArgs:
     """ "int8" (vLLM's argument name): int8 weights (per output channel) and activations (per
     token) in the linear layers of native encoders on CPU; None: none."""
     pooler_config: PoolerConfig | dict[str, Any] | None = None
-    """Pooler options (vLLM's): {"enable_chunked_processing": true, "max_embed_len": N,
-    "chunk_score_aggregation": "max"}; None: the defaults (long inputs refused)."""
+    """Pooler options (vLLM's PoolerConfig): {"seq_pooling_type": "CLS"}, {"task":
+    "token_embed"}, {"enable_chunked_processing": true, "max_embed_len": N}; None: the model's own
+    (long inputs refused)."""
+    tokenizer: str | None = None
+    """A folder (or cached model id) to load the tokenizer from instead of the model's."""
+    tokenizer_mode: str = "auto"
+    """ "auto" or "hf": the Hugging Face fast tokenizer (tokenizer.json); vLLM's "slow",
+    "mistral" and "custom" are refused."""
+    chat_template: str | None = None
+    """The chat template (Jinja text or a file) for `chat()` and `messages` inputs; None: the
+    tokenizer's own."""
 
-    def to_engine_config(self, model: str) -> EngineConfig:
+    @staticmethod
+    def add_cli_args(
+        parser: argparse.ArgumentParser, *, include_model: bool = True
+    ) -> argparse.ArgumentParser:
+        """Add a flag per field (vLLM's names: `--max-model-len`, `--enable-prefix-caching /
+        --no-enable-prefix-caching`, ...) and vLLM's engine flags tidepool does not implement
+        (refused or warned about when given: engine/vllm_args.py); returns `parser`, as vLLM's."""
+        from tidepool.engine.cli_flags import add_engine_flags
+
+        return add_engine_flags(parser, EngineArgs, include_model=include_model)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of parsed flags (vLLM's); vLLM-only flags given are checked (ValueError
+        for a refused one, a warning for a harmless one)."""
+        from tidepool.engine.cli_flags import engine_kwargs_of
+
+        return engine_args_from_vllm(engine_kwargs_of(args, cls))
+
+    def to_engine_config(self, model: str | None = None) -> EngineConfig:
         """The frozen engine configuration (reads the model's config files; loads no weights and
-        changes no process state: thread counts are applied when the engine starts)."""
+        changes no process state: thread counts are applied when the engine starts). `model`:
+        the model, else this one's `model`, else the bundled default."""
+        model = model or self.model or DEFAULT_MODEL
+        check_tokenizer_mode(self.tokenizer_mode)
         model_config = build_model_config(
             model,
             convert=self.convert,
@@ -103,7 +142,7 @@ class EngineArgs:
             device=self.device,
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
-            model_impl=self.model_impl,
+            model_impl="native" if self.model_impl == "vllm" else self.model_impl,
             hf_overrides=self.hf_overrides,
             quantization=self.quantization,
             revision=self.revision,
@@ -117,11 +156,9 @@ class EngineArgs:
             if model_config.task != "classify":
                 raise ValueError("score_template applies to cross-encoders (task classify) only")
             model_config = replace(model_config, score_template=template)
-        if self.pooler_config is not None:
-            pooler = self.pooler_config
-            if isinstance(pooler, dict):
-                pooler = PoolerConfig(**pooler)
-            model_config = replace(model_config, pooler=pooler)
+        model_config = apply_model_options(
+            model_config, self.pooler_config, self.tokenizer, self.chat_template
+        )
         # Encoders run each prompt whole; causal models with chunked prefill do not need to.
         whole_prompts = not model_config.is_causal or not self.enable_chunked_prefill
         max_num_batched_tokens = self.max_num_batched_tokens
@@ -163,24 +200,84 @@ class EngineArgs:
         )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AsyncEngineArgs(EngineArgs):
+    """The server's engine arguments (vLLM's AsyncEngineArgs): EngineArgs and request logging."""
+
+    enable_log_requests: bool = False
+    """Log each request (its route and body, cut to --max-log-len characters)."""
+
+    @staticmethod
+    def add_cli_args(  # type: ignore[override]
+        parser: argparse.ArgumentParser, *, include_model: bool = True
+    ) -> argparse.ArgumentParser:
+        from tidepool.engine.cli_flags import add_engine_flags
+
+        return add_engine_flags(parser, AsyncEngineArgs, include_model=include_model)
+
+
 ENGINE_ARG_NAMES = frozenset(f.name for f in fields(EngineArgs))
+ASYNC_ENGINE_ARG_NAMES = frozenset(f.name for f in fields(AsyncEngineArgs))
 
 
-def build_engine_config(model: str = DEFAULT_MODEL, **engine_args: Any) -> EngineConfig:
+def build_engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
     """The engine configuration from `LLM`'s arguments (`EngineArgs`); shared with the server's
     AsyncEngine."""
-    return EngineArgs(**engine_args).to_engine_config(model)
+    names = ASYNC_ENGINE_ARG_NAMES if "enable_log_requests" in engine_args else ENGINE_ARG_NAMES
+    cls = AsyncEngineArgs if names is ASYNC_ENGINE_ARG_NAMES else EngineArgs
+    return cls(**engine_args).to_engine_config(model)
 
 
-# vLLM arguments that mean nothing here; accepted (and ignored) so code ports unchanged.
-_IGNORED_VLLM_ARGS = {
-    "enforce_eager",
-    "gpu_memory_utilization",
-    "tensor_parallel_size",
-    "disable_log_stats",
-    "swap_space",
-    "task",
+_TOKENIZER_MODES = {
+    "slow": "tidepool needs a fast tokenizer (tokenizer.json); slow tokenizers are not supported",
+    "mistral": "mistral-common tokenizers are not supported here",
+    "custom": "custom tokenizer plugins are not supported here",
 }
+
+
+def check_tokenizer_mode(mode: str) -> None:
+    if mode in ("auto", "hf"):
+        return
+    reason = _TOKENIZER_MODES.get(mode, "expected auto or hf")
+    raise ValueError(f"tokenizer_mode={mode!r} is not supported: {reason}")
+
+
+def apply_model_options(
+    model_config: ModelConfig,
+    pooler_config: PoolerConfig | dict[str, Any] | None,
+    tokenizer: str | None,
+    chat_template: str | None,
+) -> ModelConfig:
+    """The model configuration with the user's pooler options (PoolerConfig: the task a call
+    that names none runs, the sequence pooling), tokenizer and chat template."""
+    if pooler_config is not None:
+        pooler = PoolerConfig(**pooler_config) if isinstance(pooler_config, dict) else pooler_config
+        model_config = replace(model_config, pooler=replace(pooler, task=None))
+        if pooler.task is not None:
+            if pooler.task not in model_config.pooling_tasks:
+                served = ", ".join(model_config.pooling_tasks) or "none"
+                raise ValueError(
+                    f"pooler_config task {pooler.task!r} is not one this model serves ({served})"
+                )
+            model_config = replace(model_config, pooler=pooler)
+        if pooler.seq_pooling_type is not None:
+            st = replace(model_config.st, pooling_mode=pooler.seq_pooling_type)
+            model_config = replace(model_config, st=st)
+    if tokenizer is not None:
+        model_config = replace(model_config, tokenizer=tokenizer)
+    if chat_template is not None:
+        model_config = replace(model_config, chat_template=read_chat_template(chat_template))
+    return model_config
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file (vLLM's --chat-template takes either) or as Jinja text."""
+    if "{" not in value and len(value) < 4096:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat_template {value!r}: no such file (and it is not a template)")
+        return path.read_text(encoding="utf-8")
+    return value
 
 
 def _wants_gpu(device: str | None) -> bool:
@@ -189,25 +286,56 @@ def _wants_gpu(device: str | None) -> bool:
     )
 
 
-def engine_args_from_vllm(kwargs: dict[str, Any]) -> EngineArgs:
-    """`LLM(**kwargs)`'s engine arguments: EngineArgs' fields, and vLLM arguments that mean nothing
-    here (ignored and logged, so vLLM code ports unchanged) except `gpu_memory_utilization`,
-    which sizes the KV cache on a GPU when nothing else does. TypeError for any other name."""
-    unknown = set(kwargs) - ENGINE_ARG_NAMES - _IGNORED_VLLM_ARGS
+# vLLM's deprecated `task` → its runner / convert (vLLM's own mapping).
+_TASK_AS = {
+    "embed": {"convert": "embed"},
+    "embedding": {"convert": "embed"},
+    "classify": {"convert": "classify"},
+    "score": {"convert": "classify"},
+    "generate": {"runner": "generate"},
+}
+
+
+def engine_args_from_vllm(
+    kwargs: dict[str, Any], cls: type[EngineArgs] | None = None
+) -> EngineArgs:
+    """`LLM(**kwargs)`'s engine arguments: EngineArgs' fields (None for a field whose default is
+    not None means its default, as in vLLM); vLLM's deprecated `task` as runner / convert;
+    `gpu_memory_utilization`, which sizes the KV cache on a GPU when nothing else does (no
+    effect on a CPU: a warning); every other vLLM argument as engine/vllm_args.py says (ValueError
+    for one that is refused, a warning for one that has no effect). TypeError for a name vLLM
+    does not have either."""
+    cls = cls or (AsyncEngineArgs if "enable_log_requests" in kwargs else EngineArgs)
+    names = frozenset(f.name for f in fields(cls))
+    defaults = {f.name: f.default for f in fields(cls)}
+    unknown = set(kwargs) - names - VLLM_ARGS.keys() - {"task", "gpu_memory_utilization"}
     if unknown:
         raise TypeError(f"LLM() got unexpected arguments: {sorted(unknown)}")
     kwargs = dict(kwargs)
-    ignored = {name: kwargs.pop(name) for name in _IGNORED_VLLM_ARGS & kwargs.keys()}
-    engine_args = EngineArgs(**kwargs)
-    if (
-        engine_args.kv_cache_memory_fraction is None
-        and engine_args.kv_cache_memory_bytes is None
-        and "gpu_memory_utilization" in ignored
-        # vLLM's knob sizes the KV cache on a GPU; on a CPU it means nothing (as in vLLM).
-        and _wants_gpu(engine_args.device)
-    ):
-        memory_fraction = float(ignored.pop("gpu_memory_utilization"))
-        engine_args = replace(engine_args, kv_cache_memory_fraction=memory_fraction)
-    if ignored:
-        logger.info("ignoring vLLM arguments that do not apply here: %s", sorted(ignored))
+    notes = check_vllm_args({k: v for k, v in kwargs.items() if k not in names}, names)
+    for name in [k for k in kwargs if k not in names and k in VLLM_ARGS]:
+        del kwargs[name]
+    task = kwargs.pop("task", None)
+    if task not in (None, "auto"):
+        if task not in _TASK_AS:
+            raise ValueError(f"task={task!r} is not supported here: expected {sorted(_TASK_AS)}")
+        for key, value in _TASK_AS[task].items():
+            kwargs.setdefault(key, value)
+    memory_fraction = kwargs.pop("gpu_memory_utilization", None)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or defaults[k] is None}
+    engine_args = cls(**kwargs)
+    if memory_fraction is not None:
+        if _wants_gpu(engine_args.device):
+            if (
+                engine_args.kv_cache_memory_fraction is None
+                and engine_args.kv_cache_memory_bytes is None
+            ):
+                engine_args = replace(engine_args, kv_cache_memory_fraction=float(memory_fraction))
+        else:
+            notes.append(
+                f"gpu_memory_utilization={memory_fraction!r} has no effect on a CPU (the KV cache "
+                "is sized by kv_cache_memory_bytes / kv_cache_memory_fraction)"
+            )
+    for note in notes:
+        logger.warning(note)
     return engine_args

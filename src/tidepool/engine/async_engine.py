@@ -155,7 +155,7 @@ class AsyncEngine:
 
             # The engine thread detokenizes with a tokenizer of its own: the tokenizer thread's
             # instance may be changing its truncation settings at the same moment.
-            detokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
+            detokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_source)
             self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self._engine = LLMEngine(
             config, detokenizer=detokenizer, multi_vector=self.input_processor.multi_vector

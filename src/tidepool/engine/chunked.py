@@ -58,7 +58,7 @@ def split_tokens(token_ids: Sequence[int], chunk_len: int) -> list[list[int]]:
 def chunk_params(params: PoolingParams) -> PoolingParams:
     """A chunk's parameters: embeddings stay unnormalized and whole until they are combined."""
     if params.task == "embed":
-        return replace(params, normalize=False, dimensions=None)
+        return replace(params, use_activation=False, dimensions=None)
     return params
 
 
@@ -155,7 +155,7 @@ def _finish_embedding(
     default = st.normalize or not st.is_sentence_transformer
     if params.dimensions is not None:
         x = x[: params.dimensions]
-    if default if params.normalize is None else params.normalize:
+    if default if params.use_activation is None else params.use_activation:
         x = F.normalize(x, p=2, dim=-1)
     return x
 

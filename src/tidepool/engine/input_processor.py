@@ -68,7 +68,9 @@ class InputProcessor:
 
         self.model_config = model_config
         self.max_model_len = model_config.max_model_len
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_config.path))
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_config.tokenizer_source)
+        if model_config.chat_template is not None:
+            self.tokenizer.chat_template = model_config.chat_template
         # We check lengths ourselves; stop transformers warning about long inputs.
         self.tokenizer.model_max_length = 1 << 30
         backend = getattr(self.tokenizer, "backend_tokenizer", None)

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from tidepool.config import EngineConfig
+from tidepool.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidepool.core.outputs import EngineCoreOutput, PoolingCoreOutput
 from tidepool.engine.engine_core import EngineCore, StepFailedError
 from tidepool.engine.generation_stream import GenerationInput
@@ -97,6 +97,15 @@ def apply_num_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
+@dataclass(frozen=True)
+class VllmConfigView:
+    """The engine's configuration under vLLM's VllmConfig names (read-only)."""
+
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+
+
 class LLMEngine:
     """EngineCore plus the output processor, routing outputs to their callers' sinks."""
 
@@ -118,6 +127,17 @@ class LLMEngine:
         self._multi_vector = multi_vector
         self._documents: set[str] = set()
         """Unfinished ColBERT document requests (their skiplist rows are dropped)."""
+
+    @property
+    def vllm_config(self) -> VllmConfigView:
+        """vLLM's `llm.llm_engine.vllm_config` (its `model_config.hf_config` is how vLLM's
+        examples read `id2label`): tidepool's frozen configs under vLLM's attribute names."""
+        return VllmConfigView(self.config.model, self.config.scheduler, self.config.cache)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """vLLM's `llm.llm_engine.model_config`."""
+        return self.config.model
 
     @property
     def can_generate(self) -> bool:
@@ -200,7 +220,10 @@ class LLMEngine:
                 sink = self._sink_of.pop(out.request_id)
                 sink.add_output(
                     PoolingRequestOutput(
-                        out.request_id, out.prompt_token_ids, PoolingOutput(self._finish(out))
+                        out.request_id,
+                        out.prompt_token_ids,
+                        PoolingOutput(self._finish(out)),
+                        num_cached_tokens=out.num_cached_tokens,
                     )
                 )
                 touched[sink] = None

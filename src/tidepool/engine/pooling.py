@@ -31,12 +31,14 @@ import torch.nn.functional as F
 T = TypeVar("T")
 
 
-def scoring_rule(model_task: str, multi_vector: bool) -> str:
+def scoring_rule(model_task: str, multi_vector: bool, default_task: str | None = None) -> str:
     """How `score` / `rerank` score a pair: "cross_encoder" (the pair read together),
-    "late_interaction" (MaxSim of token vectors) or "cosine" (of two embeddings)."""
+    "late_interaction" (MaxSim of token vectors: a ColBERT model, or a model whose pooling task
+    is token_embed, as vLLM scores it) or "cosine" (of two embeddings)."""
     if model_task == "classify":
         return "cross_encoder"
-    return "late_interaction" if multi_vector else "cosine"
+    late = multi_vector or default_task == "token_embed"
+    return "late_interaction" if late else "cosine"
 
 
 def expand_score_pairs(

@@ -31,6 +31,11 @@ from tidepool.entrypoints.cli_parts import (
     exposure_warning,
     shared_work_options,
 )
+from tidepool.entrypoints.frontend_args import (
+    add_frontend_args,
+    check_frontend_args,
+    uvicorn_options,
+)
 from tidepool.jobs.local import ON_ERROR
 
 logger = logging.getLogger("tidepool")
@@ -116,6 +121,7 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
     )
     add_shared_work_args(parser)
+    add_frontend_args(parser)
     parser.set_defaults(func=cmd_serve)
 
 
@@ -169,6 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tidepool.entrypoints.openai.served_models import load_engines
     from tidepool.entrypoints.openai.server import build_app
 
+    check_frontend_args(args)
     models = _model_args(args)
     names = _served_names(args, models)
     args.api_key = args.api_key or envs.api_key()
@@ -190,6 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=int(args.shutdown_timeout_s),
+        **uvicorn_options(args),
     )
     uvicorn.Server(config).run()
     return 0

@@ -1,35 +1,25 @@
-"""The flags `tidepool serve` and `tidepool embed` share (the engine's, named as `vllm serve`'s),
-their argparse types, and turning them into `LLM` / `AsyncEngine` arguments."""
+"""The flags `tidepool serve` and `tidepool embed` share (the engine's, generated from
+`EngineArgs` with `vllm serve`'s names), their argparse types, and turning them into `LLM` /
+`AsyncEngine` arguments. `serve`'s vLLM frontend flags: entrypoints/frontend_args.py."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+from dataclasses import fields
 from typing import Any
 
+from tidepool.engine.args import EngineArgs, engine_args_from_vllm
+from tidepool.engine.cli_flags import add_engine_flags, engine_kwargs_of
 from tidepool.models.loader import DEFAULT_MODEL
 
 logger = logging.getLogger("tidepool")
 
-# `vllm serve` flags that mean nothing here: accepted and ignored so launch scripts keep working.
-_IGNORED_VLLM_FLAGS = (
-    ("--gpu-memory-utilization", float),
-    ("--tensor-parallel-size", int),
-    ("--pipeline-parallel-size", int),
-    ("--swap-space", float),
-    ("--task", str),
-)
-_IGNORED_VLLM_SWITCHES = (
-    "--enforce-eager",
-    "--disable-log-stats",
-    "--disable-log-requests",
-    "--enable-prefix-caching",
-)
-
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags, shared by `serve` and `embed` (names as `vllm serve`)."""
+    """The engine's flags, shared by `serve` and `embed`: MODEL / --model (several for `serve`),
+    then one flag per EngineArgs field with vLLM's names (generated: engine/cli_flags.py), and
+    vLLM's engine flags tidepool does not implement, refused or warned about when given."""
     parser.add_argument(
         "model_tag",
         nargs="?",
@@ -44,75 +34,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the model, as a flag (same as MODEL); `serve` takes it more than once to serve "
         "several models, each on its own engine (default: MODEL)",
     )
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument(
-        "--quantization",
-        default=None,
-        help="int8: int8 weights and activations in a native encoder's linear layers (CPU, "
-        "float32 elsewhere); default: none",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt, tokens (default: the model's own maximum)",
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget of one engine step (default: sized for the model and device)",
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (sampling)")
-    parser.add_argument("--device", default=None, help="torch device (default: CUDA if present)")
-    parser.add_argument(
-        "--runner",
-        default="auto",
-        choices=["auto", "pooling", "generate"],
-        help="pooling (embed, classify, score) or generate; auto: from the architecture",
-    )
-    parser.add_argument(
-        "--convert",
-        default="auto",
-        choices=["auto", "embed", "classify"],
-        help="what a pooling runner makes of the model; auto: from the architecture",
-    )
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow the model folder's own Python code (transformers' trust_remote_code)",
-    )
-    add_hub_args(parser)
-    parser.add_argument(
-        "--hf-overrides",
-        type=json.loads,
-        default=None,
-        help="JSON object of config.json keys to replace (e.g. an LLM reranker's; default: none)",
-    )
-    parser.add_argument(
-        "--score-template",
-        default=None,
-        help="LLM rerankers: the pair prompt with {query} and {document}, a file, or a built-in "
-        "(qwen3_reranker); default none: the pair as given (vLLM's concatenation)",
-    )
-    parser.add_argument(
-        "--score-instruction",
-        default=None,
-        help="the score template's {instruction} (default: the built-in's)",
-    )
-    parser.add_argument(
-        "--pooler-config",
-        type=json.loads,
-        default=None,
-        help="pooler options as JSON (vLLM's), e.g. '{\"enable_chunked_processing\": true, "
-        '"max_embed_len": 100000}\': inputs longer than max_model_len run in chunks '
-        "(default: none, such inputs are refused)",
-    )
-    for flag, kind in _IGNORED_VLLM_FLAGS:
-        parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
-    for flag in _IGNORED_VLLM_SWITCHES:
-        parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    # `serve` has its own --served-model-name (one per model): not vLLM's engine-argument one.
+    add_engine_flags(parser, EngineArgs, include_model=False, skip={"served_model_name"})
 
 
 def add_hub_args(parser: argparse.ArgumentParser) -> None:
@@ -140,29 +63,12 @@ def add_hub_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    ignored = [f for f, _ in _IGNORED_VLLM_FLAGS if getattr(args, _dest(f)) is not None]
-    ignored += [f for f in _IGNORED_VLLM_SWITCHES if getattr(args, _dest(f))]
-    if ignored:
-        logger.info("ignoring vLLM flags that do not apply here: %s", ", ".join(ignored))
-    return {
-        "dtype": args.dtype,
-        "quantization": args.quantization,
-        "max_model_len": args.max_model_len,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_num_seqs": args.max_num_seqs,
-        "seed": args.seed,
-        "device": args.device,
-        "runner": args.runner,
-        "convert": args.convert,
-        "trust_remote_code": args.trust_remote_code,
-        "revision": args.revision,
-        "download_dir": args.download_dir,
-        "hf_token": args.hf_token,
-        "hf_overrides": args.hf_overrides,
-        "score_template": args.score_template,
-        "score_instruction": args.score_instruction,
-        "pooler_config": args.pooler_config,
-    }
+    """The engine arguments of parsed flags (EngineArgs' fields but the model), after vLLM's
+    flags were checked: ValueError naming a refused one, a warning for a harmless one."""
+    engine_args = engine_args_from_vllm(engine_kwargs_of(args, EngineArgs, include_model=False))
+    kwargs = {f.name: getattr(engine_args, f.name) for f in fields(engine_args)}
+    kwargs.pop("model")
+    return kwargs
 
 
 def _dest(flag: str) -> str:

@@ -27,7 +27,16 @@ from tidepool.engine.input_processor import InputProcessor
 from tidepool.engine.llm_engine import LLMEngine
 from tidepool.engine.pooling import cross_encoder_score, expand_score_pairs, scoring_rule
 from tidepool.engine.prompts import check_prompt_name
+from tidepool.engine.prompts import prompt_text as model_prompt
 from tidepool.engine.tasks import check_task_supported
+from tidepool.engine.tokenization_kwargs import tokenization_options, without_special_tokens
+from tidepool.entrypoints.llm_inputs import (
+    PromptsArg,
+    _as_list,
+    _no_lora,
+    check_score_chat_template,
+    score_tokenization,
+)
 from tidepool.entrypoints.llm_outputs import completions, prompt_text
 from tidepool.entrypoints.llm_scoring import (
     check_score_prompts,
@@ -47,7 +56,7 @@ from tidepool.outputs import (
     ScoringRequestOutput,
     SparseEmbeddingRequestOutput,
 )
-from tidepool.params import PoolingParams, SamplingParams
+from tidepool.params import PoolingParams, SamplingParams, check_pooling_task
 from tidepool.request import Request
 from tidepool.signatures import fields_as_keywords
 
@@ -59,28 +68,15 @@ __all__ = [
     "build_engine_config",
 ]
 
-PromptsArg = Any  # str | dict | Sequence[str | dict]
-
-
-def _as_list(prompts: PromptsArg, what: str = "prompts") -> list:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)):
-        if not prompts:
-            raise ValueError(f"{what} is empty: give at least one prompt")
-        return list(prompts)
-    raise TypeError(
-        f"{what} must be a string, a dict prompt or a list of them, got {type(prompts).__name__}"
-    )
-
 
 class LLM:
     """An engine for offline use. `LLM()` loads the bundled default all-MiniLM-L6-v2."""
 
     @fields_as_keywords(EngineArgs)
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
-        """`kwargs`: the fields of `EngineArgs`, and vLLM arguments that mean nothing here
-        (ignored, so vLLM code ports unchanged). Causal models keep a paged KV cache:
+    def __init__(self, model: str | None = DEFAULT_MODEL, **kwargs: Any) -> None:
+        """`kwargs`: the fields of `EngineArgs`; every other vLLM argument is refused with the
+        reason or, where harmless (enforce_eager, ...), accepted with a warning that it has no
+        effect (engine/vllm_args.py). Causal models keep a paged KV cache:
         `kv_cache_memory_bytes` sizes it in bytes, `kv_cache_memory_fraction` as the share of the
         device's memory the process may use (the cache gets what the model leaves); neither:
         4 GiB on CPU (at most a quarter of the free memory), `gpu_memory_utilization` (default
@@ -180,16 +176,27 @@ class LLM:
         keep_own_task: bool = False,
         *,
         prompt_name: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[PoolingRequestOutput | None], list[RequestError]]:
         prompt_list = _as_list(prompts)
+        options = tokenization_options(tokenization_kwargs, truncate_prompt_tokens)
         params = self._params_list(
             len(prompt_list),
             pooling_params,
             task,
-            truncate_prompt_tokens,
+            options.truncate_prompt_tokens,
             keep_own_task,
             prompt_name,
         )
+        if options.truncation_side is not None:
+            params = [replace(p, truncation_side=options.truncation_side) for p in params]
+        if not options.add_special_tokens:
+            if self.model_config.multi_vector is not None:
+                raise ValueError("add_special_tokens=False is not supported on ColBERT models")
+            check_prompt_name(self.model_config, prompt_name)
+            prefix = model_prompt(self.model_config, prompt_name)
+            lower = self.model_config.st.do_lower_case
+            prompt_list = without_special_tokens(self.get_tokenizer(), prompt_list, prefix, lower)
         return self._run(self.input_processor.process(prompt_list, params), use_tqdm)
 
     @staticmethod
@@ -210,6 +217,8 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         prompt_name: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        lora_request: None = None,
     ) -> list[PoolingRequestOutput]:
         """Raw pooler outputs (`outputs.data`, a tensor); `pooling_task` as vLLM's, or
         "embed_sparse" (a sparse [vocab] tensor of token id → weight; `embed_sparse()` gives
@@ -218,6 +227,9 @@ class LLM:
         may mix tasks: BGE-M3's dense, sparse and multi-vector in one batch). `prompt_name`: the
         model's prompt put before each text (engine/prompts.py); on a ColBERT model "query" or
         "document" (the default) chooses how the texts are encoded."""
+        _no_lora(lora_request)
+        if pooling_task is not None:
+            check_pooling_task(pooling_task)
         task = pooling_task or self.model_config.default_pooling_task
         results, errors = self._encode_raw(
             prompts,
@@ -227,6 +239,7 @@ class LLM:
             use_tqdm,
             pooling_task is None,
             prompt_name=prompt_name,
+            tokenization_kwargs=tokenization_kwargs,
         )
         return self._finish(results, errors, lambda r: r)
 
@@ -238,10 +251,13 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         prompt_name: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        lora_request: None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt. `prompt_name`: one of the model's prompts
         (config_sentence_transformers.json), put before each text as sentence-transformers
         does: `llm.embed(queries, prompt_name="query")`; None: its default_prompt_name."""
+        _no_lora(lora_request)
         check_task_supported(self.model_config, "embed")
         results, errors = self._encode_raw(
             prompts,
@@ -250,6 +266,7 @@ class LLM:
             truncate_prompt_tokens,
             use_tqdm,
             prompt_name=prompt_name,
+            tokenization_kwargs=tokenization_kwargs,
         )
         return self._finish(results, errors, EmbeddingRequestOutput.from_base)
 
@@ -294,10 +311,18 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        lora_request: None = None,
     ) -> list[ClassificationRequestOutput]:
+        _no_lora(lora_request)
         check_task_supported(self.model_config, "classify")
         results, errors = self._encode_raw(
-            prompts, "classify", pooling_params, truncate_prompt_tokens, use_tqdm
+            prompts,
+            "classify",
+            pooling_params,
+            truncate_prompt_tokens,
+            use_tqdm,
+            tokenization_kwargs=tokenization_kwargs,
         )
         return self._finish(results, errors, ClassificationRequestOutput.from_base)
 
@@ -311,6 +336,9 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         prompt_name: str | None = None,
         document_prompt_name: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        lora_request: None = None,
     ) -> list[ScoringRequestOutput]:
         """Relevance of each (data_1, data_2) pair: 1-to-N when data_1 has one item, else N-to-N.
 
@@ -321,10 +349,16 @@ class LLM:
         (sentence-transformers' encode_query / encode_document, CrossEncoder.predict's
         prompt_name before the first text; see entrypoints/llm_scoring.py).
         """
+        _no_lora(lora_request)
+        check_score_chat_template(chat_template)
+        truncate_prompt_tokens, pooling_params = score_tokenization(
+            tokenization_kwargs, truncate_prompt_tokens, pooling_params
+        )
         check_task_supported(self.model_config, "score")
         check_score_prompts(self.model_config, prompt_name, document_prompt_name)
         pairs = expand_score_pairs(_as_list(data_1, "data_1"), _as_list(data_2, "data_2"))
-        rule = scoring_rule(self.model_config.task, self.model_config.multi_vector is not None)
+        mc = self.model_config
+        rule = scoring_rule(mc.task, mc.multi_vector is not None, mc.default_pooling_task)
 
         def encode(texts: list[Any], task: str, name: str | None):
             return self._encode_raw(
@@ -332,6 +366,8 @@ class LLM:
             )
 
         if rule == "late_interaction":
+            if mc.multi_vector is None:  # a token_embed model: the caller's prompts
+                return score_by_late_interaction(pairs, encode, prompt_name, document_prompt_name)
             return score_by_late_interaction(pairs, encode)
         if rule == "cosine":
             return score_by_embedding(pairs, encode, prompt_name, document_prompt_name)

@@ -101,11 +101,17 @@ def score_by_embedding(
     return _outputs(queries, documents, sides.pair_slots, scores, query_errors, document_errors)
 
 
-def score_by_late_interaction(pairs: list[tuple[Any, Any]], encode: Encode) -> list[ScoreOut]:
-    """MaxSim of data_1 encoded as ColBERT queries and data_2 as documents."""
+def score_by_late_interaction(
+    pairs: list[tuple[Any, Any]],
+    encode: Encode,
+    query_prompt: str | None = "query",
+    document_prompt: str | None = "document",
+) -> list[ScoreOut]:
+    """MaxSim of data_1's and data_2's token vectors (a ColBERT model encodes them as queries
+    and documents; another token_embed model with the given prompts)."""
     plan = plan_late_interaction_scores(pairs)
-    queries, query_errors = encode(plan.queries, "token_embed", "query")
-    documents, document_errors = encode(plan.documents, "token_embed", "document")
+    queries, query_errors = encode(plan.queries, "token_embed", query_prompt)
+    documents, document_errors = encode(plan.documents, "token_embed", document_prompt)
     scores = maxsim_scores(
         [None if r is None else r.outputs.data for r in queries],
         [None if r is None else r.outputs.data for r in documents],

@@ -139,7 +139,9 @@ class Predictor:
 
         if self.task != "embed":
             return None
-        return PoolingParams(dimensions=self.options.dimensions, normalize=self.options.normalize)
+        return PoolingParams(
+            dimensions=self.options.dimensions, use_activation=self.options.normalize
+        )
 
     def __call__(self, batch: pa.Table | dict[str, np.ndarray]) -> pa.Table | dict[str, Any]:
         columns = _column_names(batch)

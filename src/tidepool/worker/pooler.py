@@ -211,7 +211,8 @@ class Pooler(nn.Module):
     def finish_embedding(self, x: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         """x: [..., embed] float32 → normalized and truncated per the request."""
         # An explicit normalize=False wins, with or without dimensions (as vLLM).
-        normalize = self.default_normalize if params.normalize is None else params.normalize
+        use = params.use_activation
+        normalize = self.default_normalize if use is None else use
         if params.dimensions is not None:
             x = x[..., : params.dimensions]
         if normalize:
@@ -219,7 +220,7 @@ class Pooler(nn.Module):
         return x
 
     def finish_logits(self, logits: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-        if params.activation is False:
+        if params.use_activation is False:
             return logits
         if logits.shape[-1] == 1:
             return torch.sigmoid(logits)
@@ -325,7 +326,7 @@ class Pooler(nn.Module):
         # Requests with equal head parameters are finished in one batched op.
         groups: dict[tuple, list[int]] = {}
         for row, p in enumerate(params):
-            groups.setdefault((p.normalize, p.dimensions, p.activation), []).append(row)
+            groups.setdefault((p.use_activation, p.dimensions), []).append(row)
         for rows in groups.values():
             finished = head(values if len(rows) == len(params) else values[rows], params[rows[0]])
             for j, row in enumerate(rows):

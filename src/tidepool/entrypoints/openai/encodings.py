@@ -74,8 +74,40 @@ class EmbeddingCalibration:
         return self._ranges
 
 
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+"""vLLM's fp8 embed dtypes: each value rounded to that float8 format, one byte on the wire."""
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    **FP8_DTYPES,
+}
+
+
 def needs_ranges(embed_dtype: str) -> bool:
-    return ENCODINGS[embed_dtype].needs_ranges
+    return embed_dtype in ENCODINGS and ENCODINGS[embed_dtype].needs_ranges
+
+
+def binary_values(
+    values: torch.Tensor,
+    embed_dtype: str,
+    ranges: np.ndarray | None = None,
+    endianness: str = "native",
+    param: str = "embed_dtype",
+) -> bytes:
+    """One output's values as raw bytes (vLLM's "bytes" encoding and base64's payload): the
+    float dtypes as vLLM writes them (fp8 one byte a value), the quantized ones as stored."""
+    if embed_dtype in _TORCH_DTYPES:
+        t = values.detach().to("cpu", torch.float32).reshape(-1).to(_TORCH_DTYPES[embed_dtype])
+        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+        array = t.contiguous().view(view).numpy()
+    else:
+        array = quantize(values, embed_dtype, ranges, param).reshape(-1)
+    order = sys.byteorder if endianness == "native" else endianness
+    if order != sys.byteorder and array.dtype.itemsize > 1:
+        array = array.byteswap()
+    return array.tobytes()
 
 
 def quantize(
@@ -115,6 +147,12 @@ def encode_values(
             raw = values.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
             return base64.b64encode(raw.tobytes()).decode("ascii")
         listed = values.tolist()
+        return listed if isinstance(listed, list) else [listed]
+    if embed_dtype in FP8_DTYPES:
+        if encoding_format == "base64":
+            return base64.b64encode(binary_values(values, embed_dtype)).decode("ascii")
+        rounded = values.detach().to("cpu", torch.float32).to(FP8_DTYPES[embed_dtype])
+        listed = rounded.to(torch.float32).tolist()
         return listed if isinstance(listed, list) else [listed]
     stored = quantize(values, embed_dtype, ranges, param)
     if encoding_format == "base64":

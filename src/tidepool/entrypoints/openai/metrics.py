@@ -23,6 +23,10 @@ Names follow vLLM's `vllm:` style with a `tidepool:` prefix:
     tidepool:shared_work_cache_hits_total / cache_misses_total / cache_evictions_total
     tidepool:shared_work_shared_total / computed_total    pooling inputs joined / sent to the engine
     tidepool:shared_work_cache_entries                  results held by --embedding-cache-size
+  and, per model (label `model_name`, as vLLM's), under vLLM's own names so its dashboards work:
+    vllm:num_requests_running / num_requests_waiting / kv_cache_usage_perc      gauges
+    vllm:prompt_tokens_total / generation_tokens_total / request_success_total   counters
+    vllm:num_preemptions_total / prefix_cache_queries_total / prefix_cache_hits_total
 """
 
 from __future__ import annotations
@@ -137,6 +141,48 @@ def _shared_work_metrics(engines: dict[str, AsyncEngine]) -> Iterator[Metric]:
     yield entries
 
 
+_VLLM_GAUGES = (
+    ("vllm:num_requests_running", "Requests in model execution batches.", "num_requests_running"),
+    ("vllm:num_requests_waiting", "Requests waiting to be processed.", "num_requests_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100 percent).", "kv_cache_usage"),
+)
+_VLLM_COUNTERS = (
+    ("vllm:prompt_tokens", "Prefill tokens processed.", "prompt_tokens"),
+    ("vllm:generation_tokens", "Generation tokens processed.", "generation_tokens"),
+    ("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+    ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", "prefix_cache_hits"),
+)
+
+
+class _VllmCollector(Collector):
+    """The engine's counters under vLLM's `vllm:` names and `model_name` label (read from each
+    engine core's snapshot at scrape time: plain integers the engine thread writes)."""
+
+    def __init__(self, engines: Mapping[str, AsyncEngine]) -> None:
+        self.engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = {model: engine._core.get_metrics() for model, engine in self.engines.items()}
+        for family_type, table in (
+            (GaugeMetricFamily, _VLLM_GAUGES),
+            (CounterMetricFamily, _VLLM_COUNTERS),
+        ):
+            for name, doc, attribute in table:
+                family = family_type(name, doc, labels=["model_name"])
+                for model, snapshot in snapshots.items():
+                    family.add_metric([model], getattr(snapshot, attribute))
+                yield family
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Successfully processed requests.",
+            labels=["model_name", "finished_reason"],
+        )
+        for model, engine in self.engines.items():
+            success.add_metric([model, "stop"], engine.stats.num_finished_requests)
+        yield success
+
+
 class ServerMetrics:
     def __init__(self, engines: AsyncEngine | Mapping[str, AsyncEngine]) -> None:
         """`engines`: each model's engine by its served name (one engine: labelled by its
@@ -201,6 +247,7 @@ class ServerMetrics:
         )
         self._add_admission_metrics()
         self.registry.register(_EngineCollector(dict(engines)))
+        self.registry.register(_VllmCollector(dict(engines)))
         for model, engine in engines.items():
             engine.add_step_listener(self._step_listener(model))
 

@@ -19,7 +19,7 @@ from tidepool.entrypoints.openai.metrics import ServerMetrics
 logger = logging.getLogger("tidepool")
 
 # Routes anyone may call when --api-key is set (probes and scrapers carry no key).
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 STATUS_CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; only seen in metrics
 DECLARED_CONTENT_TYPE = "tidepool.declared_content_type"
 """Scope key: the content type a client declared for a body the server reads as JSON anyway."""

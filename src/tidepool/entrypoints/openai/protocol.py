@@ -1,8 +1,8 @@
 """Request and response schemas of the OpenAI-compatible server, with vLLM's field names.
 
-Schemas only: no logic beyond field types and defaults. Unknown request fields are accepted and
-ignored (as vLLM and OpenAI do), so clients that send extras (`user`, Cohere's `max_tokens_per_doc`)
-work unchanged. The content fields (`input`, `text_1`, `documents`...) are typed loosely on purpose:
+Schemas only: no logic beyond field types and defaults. Every field vLLM 0.32 defines is declared
+(and honoured or refused by name: serving_vllm.py); other unknown fields are accepted and ignored
+(as vLLM and OpenAI do), so clients that send extras work unchanged. The content fields (`input`, `text_1`, `documents`...) are typed loosely on purpose:
 the server checks them itself to answer 400 with the exact reason ("input[3] is an empty string")
 instead of a generic schema error. Every other field is strict: no coercion, so `dimensions: "8"`,
 `8.0` or `true` and `normalize: "yes"` are refused (422 naming the field) instead of guessed at;
@@ -26,8 +26,14 @@ from pydantic import (
     StrictStr,
 )
 
-EmbedDType = Literal["float32", "float16", "bfloat16", "int8", "uint8", "binary", "ubinary"]
-"""tidepool.quantize's names (the protocol imports no engine code)."""
+EmbedDType = Literal[
+    "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "uint8", "binary", "ubinary"
+]
+"""vLLM's names (float32 ... fp8_e5m2) and sentence-transformers' quantized precisions
+(tidepool.quantize's; the protocol imports no engine code)."""
+EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
+"""vLLM's: "bytes" answers the values as one binary body (application/octet-stream) with a
+`metadata` header (JSON: each input's byte range and shape); "bytes_only" without it."""
 
 # Strict request field types (what the docs promise a 422 for). Python's json module reads NaN
 # and Infinity, which no sampling or pooling value can mean.
@@ -35,6 +41,9 @@ Int = StrictInt
 Bool = StrictBool
 Str = StrictStr
 Float = Annotated[float, Strict(), AllowInfNan(False)]
+
+
+from tidepool.entrypoints.openai.protocol_vllm import ChatFields, PoolingFields  # noqa: E402
 
 
 def random_id(prefix: str) -> str:
@@ -107,17 +116,18 @@ class _ListResponse(OpenAIBaseModel):
 # ---------------------------------------------------------------------- embeddings / pooling
 
 
-class EmbeddingRequest(OpenAIBaseModel):
+class EmbeddingRequest(PoolingFields, ChatFields):
     model: Str | None = None
     input: Any
-    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
-    encoding_format: Literal["float", "base64"] = "float"
+    """A string, a list of strings, a list of token ids, or a list of token-id lists (or give
+    `messages` instead)."""
+    encoding_format: EncodingFormat = "float"
     dimensions: Int | None = None
     user: Str | None = None
     truncate_prompt_tokens: Int | None = None
     """Keep the first N tokens of each input; -1 = the model's maximum (vLLM extension)."""
     normalize: Bool | None = None
-    """L2-normalize (vLLM extension); None = what the model's configuration says."""
+    """Older vLLM's name of use_activation for embeddings (kept as an alias)."""
     embed_dtype: EmbedDType = "float32"
     """The values' type (vLLM's field; int8 / uint8 / binary / ubinary are sentence-transformers'
     quantized precisions, a tidepool extension): docs/server.md, "Output encodings"."""
@@ -161,10 +171,10 @@ class PoolingResponse(_ListResponse):
 # ---------------------------------------------------------------------- classify
 
 
-class ClassificationRequest(OpenAIBaseModel):
+class ClassificationRequest(PoolingFields, ChatFields):
     model: Str | None = None
     input: Any
-    """A string or a list of strings (token ids also accepted)."""
+    """A string or a list of strings (token ids also accepted), or give `messages` instead."""
     truncate_prompt_tokens: Int | None = None
     user: Str | None = None
     activation: Bool | None = None
@@ -187,9 +197,9 @@ class ClassificationResponse(_ListResponse):
 # ---------------------------------------------------------------------- score / rerank
 
 
-class ScoreRequest(OpenAIBaseModel):
-    """One pair of fields, as vLLM takes them: `queries` / `documents` (vLLM's current body),
-    `text_1` / `text_2` or `data_1` / `data_2`."""
+class ScoreRequest(PoolingFields):
+    """One pair of fields, as vLLM takes them: `queries` / `documents` or `queries` / `items`
+    (vLLM's current bodies), `text_1` / `text_2` or `data_1` / `data_2`."""
 
     model: Str | None = None
     text_1: Any = None
@@ -197,6 +207,7 @@ class ScoreRequest(OpenAIBaseModel):
     text_2: Any = None
     queries: Any = None
     documents: Any = None
+    items: Any = None
     data_1: Any = None
     data_2: Any = None
     truncate_prompt_tokens: Int | None = None
@@ -214,7 +225,7 @@ class ScoreResponse(_ListResponse):
     data: list[ScoreResponseData]
 
 
-class RerankRequest(OpenAIBaseModel):
+class RerankRequest(PoolingFields):
     model: Str | None = None
     query: Any
     documents: Any
@@ -224,6 +235,8 @@ class RerankRequest(OpenAIBaseModel):
     return_documents: Bool = True
     truncate_prompt_tokens: Int | None = None
     activation: Bool | None = None
+    max_tokens_per_doc: Int | None = None
+    """Cohere's: each document is cut to this many tokens before it is scored."""
 
 
 class RerankDocument(OpenAIBaseModel):

@@ -65,6 +65,7 @@ from tidepool.entrypoints.openai.middleware import (
     MetricsMiddleware,
 )
 from tidepool.entrypoints.openai.routes_compat import add_compat_routes
+from tidepool.entrypoints.openai.routes_vllm import InvocationsMiddleware, add_cors, add_vllm_routes
 from tidepool.entrypoints.openai.served_models import NamedEngine, ServedModel, ServedModels
 from tidepool.entrypoints.openai.serving import ServingLimits
 
@@ -97,6 +98,18 @@ class ServerArgs:
     """int8 / uint8 ranges: a .npy [2, dim], or a file of texts, one per line (encodings.py)."""
     api_style: str = "openai"
     """"tei": TEI's /rerank and /tokenize take those paths from vLLM's (routes_compat.py)."""
+    root_path: str | None = None
+    """The path prefix a proxy serves this server under (FastAPI's root_path)."""
+    disable_fastapi_docs: bool = False
+    """No /docs, /redoc, /openapi.json."""
+    allowed_origins: list[str] | None = None
+    """CORS (routes_vllm.add_cors): None = no CORS headers."""
+    allow_credentials: bool = False
+    allowed_methods: list[str] | None = None
+    allowed_headers: list[str] | None = None
+    enable_log_requests: bool = False
+    """Log each POST's route and body (cut to max_log_len characters)."""
+    max_log_len: int | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -234,7 +247,14 @@ def build_app(
         finally:
             thaw_heap()
 
-    app = FastAPI(title="tidepool", version=tidepool.__version__, lifespan=lifespan)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(
+        title="tidepool",
+        version=tidepool.__version__,
+        lifespan=lifespan,
+        root_path=args.root_path or "",
+        **(docs if args.disable_fastapi_docs else {}),
+    )
     app.state.models = models
     app.state.engine = models.default.engine
     app.state.serving = models.default.serving
@@ -248,6 +268,12 @@ def build_app(
     _add_info_routes(app, models, metrics)
     known_paths = {getattr(r, "path", "") for r in app.routes}
     # Each one added wraps the ones before: metrics, outermost, sees every status.
+    app.add_middleware(
+        InvocationsMiddleware,
+        models=models,
+        log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+    )
     app.add_middleware(FastRoutesMiddleware, routes=fast_table(app.routes), state=state)
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(JsonBodyMiddleware)
@@ -256,6 +282,7 @@ def build_app(
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known_paths)
+    add_cors(app, args)
     return app
 
 
@@ -292,6 +319,8 @@ def _add_routes(
             async def work() -> Response:
                 model = models.resolve(getattr(body, "model", None))
                 result = await service(model)(body)
+                if isinstance(result, Response):  # a binary answer (encoding_format bytes)
+                    return result
                 if not isinstance(result, BaseModel):  # checks passed: the 200 goes out now
                     return _event_stream(within_deadline(result, raw_request.scope, admission))
                 if count_tokens:
@@ -348,7 +377,7 @@ def _add_info_routes(app: FastAPI, models: ServedModels, metrics: ServerMetrics)
         return _json(models.model_list())
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health() -> Response:  # /ping answers the same (routes_vllm.py)
         """200 with each model's state; 503 (OpenAI's error shape) while one is not running."""
         report = models.health()
         stopped = [name for name, s in report["models"].items() if s != "running"]
@@ -356,6 +385,8 @@ def _add_info_routes(app: FastAPI, models: ServedModels, metrics: ServerMetrics)
             names = ", ".join(f"`{name}`" for name in stopped)
             return error_response(503, f"the engine is not running for the model(s) {names}")
         return Response(json.dumps(report), media_type="application/json")
+
+    add_vllm_routes(app, health)
 
     @app.get("/version")
     async def version() -> Response:

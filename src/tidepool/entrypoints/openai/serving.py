@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tidepool.engine.async_engine import AsyncEngine
@@ -47,8 +48,16 @@ from tidepool.entrypoints.openai.responses import (
 from tidepool.entrypoints.openai.serving_sparse import (
     token_classification_data,
 )
+from tidepool.entrypoints.openai.serving_vllm import (
+    bytes_response,
+    check_vllm_fields,
+    cut_documents,
+    prompts_value,
+    response_id,
+    use_activation_of,
+)
 from tidepool.outputs import BatchInputError, PoolingRequestOutput
-from tidepool.params import PoolingParams
+from tidepool.params import PoolingParams, check_pooling_task
 
 T = TypeVar("T")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -156,18 +165,24 @@ class OpenAIServing:
             return None
         return await self.calibration.ranges(self.engine, param)
 
-    async def embed(self, req: p.EmbeddingRequest) -> p.EmbeddingResponse:
+    async def embed(self, req: p.EmbeddingRequest) -> p.EmbeddingResponse | Response:
         model = self.model_name(req.model)
         self._check_task("embed", "Embeddings")
+        check_vllm_fields(req)
         ranges = await self.ranges_for(req.embed_dtype, "embed_dtype")
+        value, param = await prompts_value(self, req)
         outputs = await self._encode_input(
-            req.input,
+            value,
+            param,
             task="embed",
             dimensions=req.dimensions,
-            normalize=req.normalize,
+            use_activation=use_activation_of(req, "normalize"),
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            truncation_side=req.truncation_side,
             prompt_name=req.prompt_name,
         )
+        if req.encoding_format in ("bytes", "bytes_only"):
+            return bytes_response(outputs, req, model, _usage(outputs), "embd")
         data = [
             {"index": i, "embedding": vector}
             for i, vector in enumerate(
@@ -180,22 +195,32 @@ class OpenAIServing:
             model=model,
             data=data,
             usage=_usage(outputs),
+            **response_id("embd", req),
         )
 
-    async def pool(self, req: p.PoolingRequest) -> p.PoolingResponse:
+    async def pool(self, req: p.PoolingRequest) -> p.PoolingResponse | Response:
         model = self.model_name(req.model)
         task = req.task or self._default_task()
+        try:
+            check_pooling_task(task)
+        except ValueError as e:
+            raise ApiError(400, str(e), "task") from e
         self._check_task(task, f"Pooling (task={task})")
+        check_vllm_fields(req)
         ranges = await self.ranges_for(req.embed_dtype, "embed_dtype")
+        value, param = await prompts_value(self, req)
         outputs = await self._encode_input(
-            req.input,
+            value,
+            param,
             task=task,
             dimensions=req.dimensions,
-            normalize=req.normalize,
-            activation=req.activation,
+            use_activation=use_activation_of(req, "normalize", "activation"),
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            truncation_side=req.truncation_side,
             prompt_name=req.prompt_name,
         )
+        if req.encoding_format in ("bytes", "bytes_only"):
+            return bytes_response(outputs, req, model, _usage(outputs), "pool")
         data = [
             {"index": i, "data": vector}
             for i, vector in enumerate(
@@ -203,7 +228,12 @@ class OpenAIServing:
             )
         ]
         return response_of(
-            PoolingResponse, p.PoolingResponseData, model=model, data=data, usage=_usage(outputs)
+            PoolingResponse,
+            p.PoolingResponseData,
+            model=model,
+            data=data,
+            usage=_usage(outputs),
+            **response_id("pool", req),
         )
 
     # ------------------------------------------------------------------ classify
@@ -214,16 +244,22 @@ class OpenAIServing:
         per_token = "classify" not in self.engine.supported_tasks
         task = "token_classify" if per_token else "classify"
         self._check_task(task, "Classification")
+        check_vllm_fields(req)
+        value, param = await prompts_value(self, req)
         outputs = await self._encode_input(
-            req.input,
+            value,
+            param,
             task=task,
-            activation=req.activation,
+            use_activation=use_activation_of(req, "activation"),
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            truncation_side=req.truncation_side,
         )
         id2label = getattr(self.model_config.hf_config, "id2label", None) or {}
         if per_token:
             data = token_classification_data(outputs, id2label)
-            return p.ClassificationResponse(model=model, data=data, usage=_usage(outputs))
+            return p.ClassificationResponse(
+                model=model, data=data, usage=_usage(outputs), **response_id("classify", req)
+            )
         data = []
         for i, o in enumerate(outputs):
             probs = o.outputs.data.reshape(-1).tolist()
@@ -232,7 +268,9 @@ class OpenAIServing:
             data.append(
                 p.ClassificationData(index=i, label=label, probs=probs, num_classes=len(probs))
             )
-        return p.ClassificationResponse(model=model, data=data, usage=_usage(outputs))
+        return p.ClassificationResponse(
+            model=model, data=data, usage=_usage(outputs), **response_id("classify", req)
+        )
 
     # ------------------------------------------------------------------ score / rerank
 
@@ -246,12 +284,17 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e), names[0]) from e
         self.check_count(len(second), names[1])
+        check_vllm_fields(req)
         scores, num_tokens = await self._score_pairs(
-            pairs, req.truncate_prompt_tokens, req.activation, param=names[1]
+            pairs,
+            req.truncate_prompt_tokens,
+            use_activation_of(req, "activation"),
+            param=names[1],
+            truncation_side=req.truncation_side or "right",
         )
         data = [p.ScoreResponseData(index=i, score=s) for i, s in enumerate(scores)]
         usage = p.UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
-        return p.ScoreResponse(model=model, data=data, usage=usage)
+        return p.ScoreResponse(model=model, data=data, usage=usage, **response_id("score", req))
 
     async def rerank(self, req: p.RerankRequest) -> p.RerankResponse:
         model = self.model_name(req.model)
@@ -262,9 +305,17 @@ class OpenAIServing:
         self.check_count(len(documents), "documents")
         if req.top_n is not None and req.top_n < 0:
             raise ApiError(400, f"top_n must be >= 0 (0 = all), got {req.top_n}", "top_n")
-        pairs = [(req.query, doc) for doc in documents]
+        check_vllm_fields(req)
+        scored = documents
+        if req.max_tokens_per_doc is not None:
+            scored = await cut_documents(self, documents, req.max_tokens_per_doc)
+        pairs = [(req.query, doc) for doc in scored]
         scores, num_tokens = await self._score_pairs(
-            pairs, req.truncate_prompt_tokens, req.activation, param="documents"
+            pairs,
+            req.truncate_prompt_tokens,
+            use_activation_of(req, "activation"),
+            param="documents",
+            truncation_side=req.truncation_side or "right",
         )
         order = sorted(range(len(documents)), key=lambda i: -scores[i])
         if req.top_n:
@@ -278,7 +329,10 @@ class OpenAIServing:
             for i in order
         ]
         return p.RerankResponse(
-            model=model, usage=p.RerankUsage(total_tokens=num_tokens), results=results
+            model=model,
+            usage=p.RerankUsage(total_tokens=num_tokens),
+            results=results,
+            **response_id("rerank", req),
         )
 
     # Scoring rules (pairs, cross-encoder scores, cosine of each distinct text once) are the
@@ -294,7 +348,8 @@ class OpenAIServing:
     ) -> tuple[list[float], int]:
         """A cross-encoder reads each pair; a ColBERT model scores MaxSim; an embedding model
         scores the cosine (as vLLM)."""
-        rule = scoring_rule(self.model_config.task, self.model_config.multi_vector is not None)
+        mc = self.model_config
+        rule = scoring_rule(mc.task, mc.multi_vector is not None, mc.default_pooling_task)
         if rule == "late_interaction":
             return await self._score_by_late_interaction(pairs, truncate_prompt_tokens, param)
         if "score" in self.engine.supported_tasks:
@@ -302,7 +357,7 @@ class OpenAIServing:
                 param,
                 task="score",
                 truncate_prompt_tokens=truncate_prompt_tokens,
-                activation=activation,
+                use_activation=activation,
                 truncation_side=truncation_side,
             )
             outputs = await self._run(self.engine.encode_pairs(pairs, [params] * len(pairs)), param)
@@ -353,7 +408,8 @@ class OpenAIServing:
                 param,
                 task="token_embed",
                 truncate_prompt_tokens=truncate_prompt_tokens,
-                prompt_name=role,
+                # ColBERT encodes each side its way; another token_embed model the same way.
+                prompt_name=role if self.model_config.multi_vector is not None else None,
             )
             try:
                 sides.append(await self.engine.encode(texts, [params] * len(texts)))
@@ -395,12 +451,19 @@ class OpenAIServing:
         return name
 
 
-_SCORE_FIELDS = (("queries", "documents"), ("text_1", "text_2"), ("data_1", "data_2"))
+_SCORE_FIELDS = (
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("text_1", "text_2"),
+    ("data_1", "data_2"),
+)
 
 
 def _score_fields(req: p.ScoreRequest) -> tuple[str, str]:
     """The one pair of fields a /score body uses; 400 for none, half a pair, or two pairs."""
-    given = [pair for pair in _SCORE_FIELDS if any(getattr(req, f) is not None for f in pair)]
+    given = [pair for pair in _SCORE_FIELDS if getattr(req, pair[1]) is not None]
+    if not given:  # half a pair: the first side's pair (its other half then reported missing)
+        given = [pair for pair in _SCORE_FIELDS if getattr(req, pair[0]) is not None][:1]
     if len(given) != 1:
         names = " or ".join(f"{a} / {b}" for a, b in _SCORE_FIELDS)
         what = "none" if not given else " and ".join(f"{a} / {b}" for a, b in given)
@@ -412,7 +475,8 @@ def _score_fields(req: p.ScoreRequest) -> tuple[str, str]:
 
 
 def _field_of(message: str, default: str) -> str:
-    for name in ("dimensions", "truncate_prompt_tokens", "task", "max_active_dims", "prompt_name"):
+    names = ("dimensions", "truncate_prompt_tokens", "task", "max_active_dims", "prompt_name")
+    for name in (*names, "use_activation", "truncation_side"):
         if name in message:
             return name
     return default

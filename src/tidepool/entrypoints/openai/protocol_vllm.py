@@ -1,0 +1,58 @@
+"""vLLM 0.32's fields of every pooling request and of its chat form (`messages`), as mixins of
+protocol.py's requests; serving_vllm.py honours or refuses each."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
+
+Int = StrictInt
+Bool = StrictBool
+Str = StrictStr
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+
+class PoolingFields(_Base):
+    """vLLM's fields of every pooling request, each honoured or refused (serving_vllm.py)."""
+
+    use_activation: Bool | None = None
+    """Embeddings: L2-normalize; classify / score: softmax or sigmoid. None = the default."""
+    truncation_side: Literal["left", "right"] | None = None
+    """Which end truncate_prompt_tokens keeps: "right" the first tokens, "left" the last."""
+    request_id: Str | None = None
+    """Echoed in the response's `id`."""
+    priority: Int = 0
+    """Refused unless 0 (requests are served first come, first served)."""
+    padding: Literal["max_length", "do_not_pad"] | None = None
+    """"do_not_pad" is what runs; "max_length" is refused."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Refused (text models only)."""
+    cache_salt: Str | None = None
+    """Refused (no per-request prefix-cache salting)."""
+
+
+class ChatFields(_Base):
+    """`messages` instead of `input` (vLLM's chat form of a pooling request): rendered with the
+    model's chat template into one prompt."""
+
+    messages: list[dict[str, Any]] | None = None
+    chat_template: Str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: Bool = False
+    continue_final_message: Bool = False
+    add_special_tokens: Bool | None = None
+    """None: True for `input`, False for `messages` (the template writes them), as vLLM."""
+    media_io_kwargs: dict[str, Any] | None = None
+    """Refused (text models only)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_stand_for_input(cls, data: Any) -> Any:
+        """`input` is required unless `messages` is given (vLLM's two request forms)."""
+        if isinstance(data, dict) and "messages" in data and "input" not in data:
+            data = {**data, "input": None}
+        return data

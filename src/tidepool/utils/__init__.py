@@ -1,0 +1,1 @@
+"""Small helpers with vLLM's module paths (`tidepool.utils.argparse_utils`)."""
