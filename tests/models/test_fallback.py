@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import TINY_SIZES, TINY_TEXTS, copy_bert_tokenizer, write_st_pooling
+from tolerances import assert_close
 
 from tidepool import LLM, PoolingParams
 from tidepool.models.fallback import UnpoolableModelError
@@ -137,8 +138,8 @@ def test_model_whose_outputs_cannot_be_pooled_is_refused(tmp_path, minilm_path):
 
 def test_backend_failing_at_first_forward_falls_back(fallback_path, monkeypatch, caplog):
     """A model that passes the backend's checks on the meta device but whose forward raises with
-    real tensors: auto falls back (an 8-token dry run at resolve time) with one warning line;
-    model_impl="transformers" stays strict (the error comes at the first request)."""
+    real tensors: auto falls back (the load-time check at resolve time) with one warning line;
+    model_impl="transformers" stays strict (the error comes at load)."""
     from sentence_transformers import SentenceTransformer
 
     from tidepool.models.transformers_wrappers import TransformersEncoderModel
@@ -161,6 +162,34 @@ def test_backend_failing_at_first_forward_falls_back(fallback_path, monkeypatch,
     got = _embed(llm, TINY_TEXTS)
     assert F.cosine_similarity(got, expected).min() >= 0.99999
     assert (got - expected).abs().max() <= 1e-5
-    strict = LLM(str(path), device="cpu", model_impl="transformers")
     with pytest.raises(RuntimeError, match="simulated attention failure"):
-        strict.embed(TINY_TEXTS[:1], use_tqdm=False)
+        LLM(str(path), device="cpu", model_impl="transformers")
+
+
+def test_backend_disagreeing_with_transformers_falls_back(fallback_path, monkeypatch, caplog):
+    """A backend that runs but computes something else (here: attention scores 1.5x too sharp):
+    the load-time check compares it with transformers' own attention on two packed sequences
+    and auto runs the fallback, with one line saying why; model_impl="transformers" refuses."""
+    from sentence_transformers import SentenceTransformer
+
+    from tidepool.models import transformers_attention
+    from tidepool.models.fallback import BackendDisagreementError
+
+    attend = transformers_attention.EncoderStep.attend
+
+    def too_sharp(self, module, query, key, value, scale, *rest):
+        return attend(self, module, query, key, value, 1.5 * scale, *rest)
+
+    monkeypatch.setattr(transformers_attention.EncoderStep, "attend", too_sharp)
+    path = fallback_path("electra")
+    with caplog.at_level(logging.WARNING, logger="tidepool"):
+        llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.model_config.model_impl == "fallback"
+    warnings = [r.getMessage() for r in caplog.records if "fallback" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "ElectraModel" in warnings[0] and "float32 bound" in warnings[0]
+    expected = torch.from_numpy(SentenceTransformer(str(path), device="cpu").encode(TINY_TEXTS))
+    # 2 layers + embeddings; the longest reduction: the FFN's 64 or the 90-token text.
+    assert_close(_embed(llm, TINY_TEXTS), expected, depth=3, reduction=128)
+    with pytest.raises(BackendDisagreementError, match="ElectraModel: the transformers backend"):
+        LLM(str(path), device="cpu", model_impl="transformers")

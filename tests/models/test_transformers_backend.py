@@ -368,7 +368,9 @@ def test_backend_decoder_classifier_matches_transformers(pad_token_id, tmp_path)
 
 def test_model_impl_choices(tiny_model_path, hf_tiny):
     with pytest.raises(ValueError, match="model_impl must be one of"):
-        LLM(str(tiny_model_path("bert")), model_impl="vllm")
+        LLM(str(tiny_model_path("bert")), model_impl="bogus")
+    # vLLM's name for its own implementations is tidepool's native one.
+    assert LLM(str(tiny_model_path("bert")), model_impl="vllm").model_config.model_impl == "native"
     folder, _ = hf_tiny("distilbert")
     with pytest.raises(ValueError, match="no implementation in tidepool"):
         LLM(str(folder), model_impl="native")

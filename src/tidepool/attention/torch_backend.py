@@ -84,20 +84,23 @@ def encoder_attention_heads(
     meta: EncoderAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
-    band_masks: dict[tuple[int, int], torch.Tensor] | None = None,
+    band_masks: dict[tuple[int, int, bool], torch.Tensor] | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """q: [num_rows, heads, D], k / v: [num_rows, kv_heads, D] (strided views; kv_heads dividing
     heads, broadcast by SDPA) → [num_rows, heads * D], on the padded layout or on packed rows
     (buckets gathered). With `sliding_window` key k is visible to query q when |q - k| <
-    sliding_window (ModernBERT's local layers); `band_masks` caches those masks for the step."""
+    sliding_window (ModernBERT's local layers); `causal`: only keys k <= q of the query's own
+    sequence (CLIP's text tower, a causal encoder), and with a window 0 <= q - k < sliding_window
+    (transformers' causal convention); `band_masks` caches those masks for the step."""
     num_tokens, num_heads, head_dim = q.shape
     buckets = meta.buckets
     if len(buckets) == 1:
-        return _attend_bucket_heads(q, k, v, buckets[0], scale, sliding_window, band_masks)
+        return _attend_bucket_heads(q, k, v, buckets[0], scale, sliding_window, band_masks, causal)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for bucket in buckets:
         out[bucket.start : bucket.end] = _attend_bucket_heads(
-            q, k, v, bucket, scale, sliding_window, band_masks
+            q, k, v, bucket, scale, sliding_window, band_masks, causal
         )
     return out
 
@@ -109,7 +112,8 @@ def _attend_bucket_heads(
     bucket: AttentionBucket,
     scale: float,
     sliding_window: int | None,
-    band_masks: dict[tuple[int, int], torch.Tensor] | None,
+    band_masks: dict[tuple[int, int, bool], torch.Tensor] | None,
+    causal: bool = False,
 ) -> torch.Tensor:
     num_seqs, max_len = bucket.num_seqs, bucket.max_len
 
@@ -122,8 +126,8 @@ def _attend_bucket_heads(
         return rows.view(num_seqs, max_len, t.shape[1], t.shape[2]).transpose(1, 2)
 
     mask = bucket.key_mask  # [num_seqs, 1, 1, max_len] or None
-    if sliding_window is not None and sliding_window < max_len:
-        band = _band_mask(max_len, sliding_window, q.device, band_masks)
+    if causal or (sliding_window is not None and sliding_window < max_len):
+        band = _band_mask(max_len, sliding_window, q.device, band_masks, causal)
         mask = band if mask is None else mask & band
     o = F.scaled_dot_product_attention(
         padded(q),
@@ -142,17 +146,27 @@ def _attend_bucket_heads(
 
 def _band_mask(
     length: int,
-    window: int,
+    window: int | None,
     device: torch.device,
-    cache: dict[tuple[int, int], torch.Tensor] | None,
+    cache: dict[tuple[int, int, bool], torch.Tensor] | None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """[length, length] bool, True where |q - k| < window; made once per step and shape."""
-    band = None if cache is None else cache.get((length, window))
+    """[length, length] bool, True where |q - k| < window (causal: 0 <= q - k < window, no
+    window: 0 <= q - k); made once per step and shape."""
+    key = (length, -1 if window is None else window, causal)
+    band = None if cache is None else cache.get(key)
     if band is None:
         idx = torch.arange(length, device=device)
-        band = (idx[:, None] - idx[None, :]).abs() < window
+        distance = idx[:, None] - idx[None, :]  # q - k
+        if causal:
+            band = distance >= 0
+            if window is not None:
+                band &= distance < window
+        else:
+            assert window is not None
+            band = distance.abs() < window
         if cache is not None:
-            cache[(length, window)] = band
+            cache[key] = band
     return band
 
 

@@ -58,6 +58,28 @@ def _prefix(value: Any, default: str) -> str | None:
     return str(value) or None
 
 
+# Query expansion tokens that are not attended to run as per-sequence key counts (the attention
+# backends' key_lens). DeBERTa's reference also zeroes those tokens' embeddings (its embedding
+# mask), which key counts do not; the transformers backend / fallback pass no key counts.
+_KEY_LENS_BODIES = ("Bert", "Roberta", "XLMRoberta", "MPNet", "HF_ColBERT")
+
+
+def check_multi_vector_body(meta: MultiVectorMeta, architecture: str, model_impl: str) -> None:
+    """Refuse a ColBERT body whose [MASK] expansion, not attended to, tidepool cannot run as the
+    reference does (PyLate / colbert-ir give those keys attention mask 0)."""
+    if not meta.do_query_expansion or meta.attend_to_expansion_tokens:
+        return
+    if model_impl == "native" and architecture.startswith(_KEY_LENS_BODIES):
+        return
+    raise ValueError(
+        f"a ColBERT model on {architecture} ({model_impl}) with query "
+        "expansion that is not attended to (attend_to_expansion_tokens / attend_to_mask_tokens "
+        "false) is not supported: only the native BERT / RoBERTa / XLM-R / MPNet bodies run "
+        "it as PyLate does; set attend_to_expansion_tokens true in "
+        "config_sentence_transformers.json if the checkpoint was trained that way"
+    )
+
+
 def load_multi_vector(
     path: Path, architecture: str, st: SentenceTransformersMeta
 ) -> tuple[MultiVectorMeta, SentenceTransformersMeta] | None:

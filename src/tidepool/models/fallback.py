@@ -12,7 +12,8 @@ length only, so padding never changes an output. Unpacked: slower than the two p
 equal to sentence-transformers (which runs the same code on the same padded batches).
 
 model_impl="auto" also falls back when the backend passes its checks but its first forward raises
-(fallback_if_backend_fails: an 8-token dry run at resolve time), with the same one warning line.
+or disagrees with transformers' (fallback_if_backend_fails: the load-time check of
+models/transformers_check.py, at resolve time), with the same one warning line saying why.
 
 Refused: remote code without trust_remote_code=True (resolve_hf_class), generation (the runner's
 decoder path needs a KV cache the HF model does not share), and models whose outputs tidepool
@@ -33,7 +34,7 @@ from torch import nn
 
 from tidepool.attention import cpu_kernels
 from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
-from tidepool.attention.metadata import EncoderAttentionMetadata, build_encoder_metadata
+from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.config import ModelConfig
 from tidepool.models.transformers_backend import (
     _position_offset,
@@ -42,7 +43,7 @@ from tidepool.models.transformers_backend import (
     check_transformers_version,
     resolve_hf_class,
 )
-from tidepool.models.transformers_wrappers import HeadRunner
+from tidepool.models.transformers_wrappers import EOS_POOLED_ENCODERS, EosPooling, HeadRunner
 
 logger = logging.getLogger("tidepool")
 
@@ -82,33 +83,42 @@ def inspect_fallback(
     return FallbackInfo(hf_class, _position_offset(hf_model.base_model))
 
 
-def fallback_if_backend_fails(config: ModelConfig) -> ModelConfig:
-    """model_impl="auto" chose the transformers backend for an encoder: one 8-token forward of
-    the backend's model, built uninitialized (nothing read from the checkpoint); where it raises,
-    `config` moves to the fallback, with its one warning line, before the model is built. Some
-    models pass the backend's checks on the meta device and fail only with real tensors (an
-    attention call with arguments tidepool's interface does not take, a shape it assumes)."""
+class BackendDisagreementError(RuntimeError):
+    """model_impl="transformers": the backend's load-time check found it computes something else
+    than transformers does (models/transformers_check.py)."""
+
+
+def fallback_if_backend_fails(config: ModelConfig, strict: bool = False) -> ModelConfig:
+    """The transformers backend chose for an encoder proves itself before the checkpoint is read
+    (models/transformers_check.py): its model, on seeded parameters, against transformers' own
+    attention on two packed sequences; then, for a dtype other than float32, an 8-token forward
+    in that dtype. Where it disagrees or raises, `config` moves to the fallback, with its one
+    warning line saying why; `strict` (model_impl="transformers"): raises instead. Some models
+    pass the backend's checks on the meta device and fail only with real tensors (an attention
+    call with arguments tidepool's interface does not take, a shape it assumes); some run and
+    compute something else (a mask the model passes at call time)."""
+    from tidepool.models.transformers_check import check_backend, dry_forward
+
     try:
-        _dry_forward(build_transformers_model(config, with_weights=False), config)
+        disagreement = check_backend(config)
+        if disagreement is None and config.dtype != torch.float32:
+            dry_forward(build_transformers_model(config, with_weights=False), config)
     except Exception as e:
-        reason = f"the transformers backend failed at its first forward ({type(e).__name__}: {e})"
-        args = (config.hf_config, config.path, config.trust_remote_code, reason)
-        inspect_fallback(config.architecture, config.task, *args)
-        return dataclasses.replace(config, model_impl="fallback")
-    return config
-
-
-@torch.inference_mode()
-def _dry_forward(model: nn.Module, config: ModelConfig) -> None:
-    """8 tokens through the encoder (and its classifier head), as the runner calls them."""
-    pad = getattr(config.hf_config, "pad_token_id", None)
-    input_ids = torch.arange(8, device=config.device) + (0 if pad is None else int(pad)) + 1
-    positions = torch.arange(8, device=config.device)
-    heads = int(getattr(config.hf_config, "num_attention_heads", None) or 1)
-    meta = build_encoder_metadata([8], config.device, num_heads=heads, dtype=config.dtype)
-    hidden = model(input_ids, positions, meta)
-    if config.task == "classify" and config.output_head == "task":
-        model.compute_logits(hidden[:1])  # type: ignore[operator]
+        if strict:
+            raise
+        disagreement = (
+            f"the transformers backend failed at its first forward ({type(e).__name__}: {e})"
+        )
+    if disagreement is None:
+        return config
+    if strict:
+        raise BackendDisagreementError(
+            f'{config.architecture}: {disagreement}. model_impl="auto" runs it on the fallback '
+            "(transformers' own attention on padded batches)"
+        )
+    args = (config.hf_config, config.path, config.trust_remote_code, disagreement)
+    inspect_fallback(config.architecture, config.task, *args)
+    return dataclasses.replace(config, model_impl="fallback")
 
 
 def build_fallback_model(config: ModelConfig) -> FallbackEncoderModel:
@@ -124,7 +134,8 @@ def build_fallback_model(config: ModelConfig) -> FallbackEncoderModel:
         body.pooler = None  # feeds classifiers only
     hf_model.eval().requires_grad_(False)
     _use_packed_linears(hf_model)
-    model = FallbackEncoderModel(hf_model, config)
+    eos_pooled = config.task == "embed" and type(hf_model).__name__ in EOS_POOLED_ENCODERS
+    model = (FallbackEosPooledEncoder if eos_pooled else FallbackEncoderModel)(hf_model, config)
     model.check_outputs()
     return model
 
@@ -260,3 +271,13 @@ class FallbackEncoderModel(nn.Module):
         """pooled [num_seqs, hidden] → [num_seqs, num_labels] through the HF classifier."""
         assert self._head is not None, "an embedding model has no head"
         return self._head(pooled)
+
+
+class FallbackEosPooledEncoder(EosPooling, FallbackEncoderModel):
+    """A CLIP text tower on the fallback: its own embedding (EOS token, projection) as on the
+    backend (transformers_wrappers.EosPooling)."""
+
+    def __init__(self, hf_model: nn.Module, config: ModelConfig) -> None:
+        super().__init__(hf_model, config)
+        self.default_pooling_type = "LAST"
+        self._init_eos_pooling(hf_model)

@@ -10,6 +10,9 @@
                    set_attention_backend(backend): the loader picks the backend once
                    (attention/backend.py), the model calls it
     ClassifierHead compute_logits(pooled [num_seqs, hidden]) → [num_seqs, num_labels]
+    EmbeddingPoolingHead pool_embeddings(hidden, cu_seqlens, input_ids) → [num_seqs, dim]: the
+                   model's own pooled embedding (CLIP's text towers: the EOS token's state, then
+                   text_projection), used when sentence-transformers metadata names no pooling
     LanguageModelHead compute_logits(hidden [num_seqs, hidden]) → float32 [num_seqs, vocab]
     per-token heads, called by the pooler on one text's token states [num_tokens, hidden]:
       VocabLogitsHead      compute_vocab_logits → [num_tokens, vocab]     (SPLADE's MLM head)
@@ -143,6 +146,23 @@ class ClassifierHead(Protocol):
 
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         """pooled [num_seqs, hidden] → logits [num_seqs, num_labels]."""
+        ...
+
+
+@runtime_checkable
+class EmbeddingPoolingHead(Protocol):
+    """An encoder whose embedding is its own pooling of its token states (and a projection)."""
+
+    embedding_size: int
+    """The pooled embedding's width (CLIP: projection_dim for the *WithProjection tower)."""
+    own_pooling_name: str
+    """What the pooling is, for messages (e.g. "EOS")."""
+
+    def pool_embeddings(
+        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [num_tokens, hidden] of packed sequences (cu_seqlens), their token ids
+        [num_tokens] → embeddings [num_seqs, embedding_size] (not normalized)."""
         ...
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import itertools
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -171,3 +174,126 @@ def _extra_weights(folder: Path, files: Mapping[str, str]) -> Iterator[tuple[str
         state = torch.load(str(path), map_location="cpu", weights_only=True)
         for name, tensor in state.items():
             yield prefix + name, tensor
+
+
+# ----------------------------------------------------------------------------- what cannot run
+
+# model_type of a vision + text model → its text tower's class, which tidepool runs.
+_TEXT_TOWERS = {"clip": "CLIPTextModelWithProjection"}
+_TEXT_TOWER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection")
+# model_type of an encoder-decoder → its encoder alone (tidepool's native T5 encoders).
+_ENCODERS = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel"}
+# model_type of remote code that transformers 5 has ported → what runs instead.
+_PORTS = {
+    "new": (
+        "this is Alibaba's GTE code (NewModel). transformers 5 has its own port of it, GteModel "
+        '(model_type "gte"), which runs on tidepool\'s transformers backend: use a checkpoint '
+        "saved for GteModel"
+    ),
+}
+
+
+def text_tower_config(hf_config: Any) -> Any:
+    """hf_overrides={"architectures": ["CLIPTextModelWithProjection"]} on a CLIPModel folder: the
+    text tower's config (its text_config, with the projection's width), so that the text tower
+    alone loads from the whole model's checkpoint; any other config as it is."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    text = getattr(hf_config, "text_config", None)
+    if not archs or archs[0] not in _TEXT_TOWER_CLASSES or text is None:
+        return hf_config
+    text = copy.deepcopy(text)
+    text.architectures = archs
+    if getattr(hf_config, "projection_dim", None) is not None:
+        text.projection_dim = hf_config.projection_dim
+    return text
+
+
+def refuse_unsupported_kind(architecture: str, hf_config: Any, task: str) -> None:
+    """A clear ValueError, before anything is built, for pooling models tidepool cannot run:
+    vision / audio + text models and encoder-decoders, saying what runs instead."""
+    if task == "generate" or is_registered(architecture):
+        return
+    model_type = getattr(hf_config, "model_type", None)
+    others = [n for n in ("vision", "audio") if getattr(hf_config, f"{n}_config", None) is not None]
+    if others:
+        tower = _TEXT_TOWERS.get(model_type)
+        if tower is not None:
+            hint = (
+                f'Its text tower alone runs as an embedding model: hf_overrides={{"architectures":'
+                f' ["{tower}"]}} (the text embeddings of get_text_features)'
+            )
+        elif model_type == "siglip":
+            hint = (
+                "Nor its text tower: SigLIP's text embedding is its head on the last position of "
+                'a batch padded to a fixed length (padding="max_length"), which tidepool\'s '
+                "packed batches do not reproduce"
+            )
+        else:
+            hint = "tidepool runs none of its towers alone yet"
+        raise ValueError(
+            f"{architecture} is a {' + '.join([*others, 'text'])} model: tidepool does not run "
+            f"{' or '.join(others)} inputs yet (text models only). {hint}."
+        )
+    if getattr(hf_config, "is_encoder_decoder", False) and not architecture.endswith(
+        "EncoderModel"
+    ):
+        encoder = _ENCODERS.get(model_type)
+        hint = (
+            f"Its encoder alone runs as an embedding model (MEAN pooling, as sentence-t5 / GTR): "
+            f'hf_overrides={{"architectures": ["{encoder}"]}}'
+            if encoder
+            else "tidepool has no encoder-only model for it"
+        )
+        raise ValueError(
+            f"{architecture} is an encoder-decoder model: tidepool runs encoders (embeddings, "
+            f"scores) and decoders (generation), not the two together. {hint}."
+        )
+
+
+def port_hint(model_type: object) -> str:
+    """ " <what runs instead>." for a remote-code model_type transformers has a port of, else ""."""
+    port = _PORTS.get(model_type) if isinstance(model_type, str) else None
+    return f" {port[0].upper()}{port[1:]}." if port else ""
+
+
+def explain_config_error(path: Path, error: Exception, trust_remote_code: bool) -> Exception:
+    """transformers' error for a config.json it cannot load, replaced where the folder's
+    model_type is not a transformers model: what is wrong, what runs instead."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    config_file = Path(path) / "config.json"
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return error
+    model_type = raw.get("model_type")
+    if model_type in CONFIG_MAPPING_NAMES:
+        return error
+    archs = raw.get("architectures") or []
+    what = f"model_type {model_type!r}" + (f" ({', '.join(archs)})" if archs else "")
+    hint = port_hint(model_type)
+    version = transformers.__version__
+    auto_config = (raw.get("auto_map") or {}).get("AutoConfig")
+    if auto_config is None:
+        return ValueError(
+            f"{path}: {what} is not a model of transformers {version}, and config.json has no "
+            f"auto_map naming code that builds it, so nothing can load it.{hint}"
+        )
+    repository = auto_config.split("--")[0] if "--" in auto_config else None
+    where = (
+        f"code from another Hugging Face repository, {repository}, which tidepool does not "
+        "download (it must be in the local cache)"
+        if repository
+        else "code shipped in the model folder"
+    )
+    if not trust_remote_code:
+        return ValueError(
+            f"{path}: {what} is not a model of transformers {version}; config.json's auto_map "
+            f"builds it with {auto_config!r}, {where}. Pass trust_remote_code=True to run it "
+            f"(only code you trust).{hint}"
+        )
+    return ValueError(
+        f"{path}: {what} is not a model of transformers {version}, and its auto_map code "
+        f"({auto_config!r}, {where}) could not be loaded ({type(error).__name__}).{hint}"
+    )

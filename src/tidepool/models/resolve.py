@@ -19,9 +19,13 @@ from typing import Any
 
 import torch
 
-from tidepool import envs
 from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
-from tidepool.models.colbert import COLBERT_IR_ARCHITECTURES, load_multi_vector
+from tidepool.models.colbert import (
+    COLBERT_IR_ARCHITECTURES,
+    check_multi_vector_body,
+    load_multi_vector,
+)
+from tidepool.models.device_dtype import checkpoint_dtype, default_device, resolve_dtype
 from tidepool.models.loader import (
     check_remote_code_config,
     load_sentence_transformers_meta,
@@ -30,22 +34,18 @@ from tidepool.models.loader import (
 from tidepool.models.pooling_choice import declares_st_pooling, log_pooling, log_st_embedder
 from tidepool.models.quantization import check_quantization, check_quantization_target
 from tidepool.models.registry import (
+    explain_config_error,
     get_model_class,
     has_implementation,
     native_architecture,
+    port_hint,
+    refuse_unsupported_kind,
     resolve_model_impl,
+    text_tower_config,
 )
 
 RUNNERS = ("auto", "pooling", "generate")
 CONVERTS = ("auto", "embed", "classify")
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 
 # Architectures whose positions start after padding_idx (RoBERTa family, MPNet).
 _ROBERTA_LIKE = ("Roberta", "XLMRoberta", "Camembert", "MPNet")
@@ -76,8 +76,11 @@ class ResolvedModel:
     sparse: SparseHeadConfig | None = None
     """The sparse head's settings (SPLADE pooling, BGE-M3's skipped tokens)."""
     fallback_on_forward_error: bool = False
-    """auto chose the transformers backend for an encoder: a dry forward decides whether the
-    fallback runs it instead (models/fallback.py: fallback_if_backend_fails)."""
+    """auto chose the transformers backend for an encoder: the load-time check decides whether
+    the fallback runs it instead (models/fallback.py: fallback_if_backend_fails)."""
+    check_at_load: bool = False
+    """The transformers backend runs an encoder: it proves itself at load (under
+    model_impl="transformers" a disagreement is an error)."""
 
 
 def build_model_config(
@@ -115,10 +118,17 @@ def build_model_config(
         trust_remote_code=trust_remote_code,
     )
     path = location.path
-    check_remote_code_config(path, trust_remote_code)
-    hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    try:
+        check_remote_code_config(path, trust_remote_code)
+    except ValueError as e:  # + what runs instead, where transformers has a port
+        raise ValueError(f"{e}{port_hint(_read_model_type(path))}") from e
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (ValueError, OSError) as e:
+        raise explain_config_error(path, e, trust_remote_code) from e
     if hf_overrides:
         hf_config.update(dict(hf_overrides))  # top-level keys, as vLLM's dict form
+        hf_config = text_tower_config(hf_config)  # a CLIPModel folder's text tower alone
     resolved = resolve_model(hf_config, path, runner, convert, model_impl, trust_remote_code)
     st = load_sentence_transformers_meta(path)
     # A ColBERT checkpoint (colbert-ir or PyLate layout) is a multi-vector model: token_embed by
@@ -128,11 +138,11 @@ def build_model_config(
         found := load_multi_vector(path, _checkpoint_architecture(hf_config), st)
     ):
         multi_vector, st = found
-        _check_multi_vector_body(multi_vector, resolved)
+        check_multi_vector_body(multi_vector, resolved.architecture, resolved.model_impl)
     if resolved.task == "embed" and resolved.output_head == "task" and multi_vector is None:
         log_pooling(resolved.architecture, resolved.model_impl, resolved.is_causal, st)
     torch_device = torch.device(device) if device else default_device()
-    model_dtype = resolve_dtype(dtype, torch_device, _checkpoint_dtype(hf_config))
+    model_dtype = resolve_dtype(dtype, torch_device, checkpoint_dtype(hf_config))
     check_quantization(quantization, resolved.architecture, resolved.model_impl)
     check_quantization_target(quantization, torch_device, model_dtype)
     config = ModelConfig(
@@ -158,10 +168,10 @@ def build_model_config(
         source=location.source,
         commit=location.commit,
     )
-    if resolved.fallback_on_forward_error:
+    if resolved.check_at_load:
         from tidepool.models.fallback import fallback_if_backend_fails
 
-        config = fallback_if_backend_fails(config)
+        config = fallback_if_backend_fails(config, strict=not resolved.fallback_on_forward_error)
     return config
 
 
@@ -177,6 +187,7 @@ def resolve_model(
         runner = "pooling"
         log_st_embedder(path, checkpoint_arch)
     task, arch = _resolve_task(checkpoint_arch, runner, convert, model_impl)
+    refuse_unsupported_kind(arch, hf_config, task)  # images, encoder-decoders: say what runs
     head = _output_head(checkpoint_arch, task, arch, path, convert, model_impl)
     if head is not None:
         task, arch = head.task, head.architecture
@@ -214,6 +225,7 @@ def resolve_model(
                 output_head,
                 sparse,
                 fallback_ok,
+                check_at_load=not info.is_causal,
             )
         except UnsupportedAttentionError as e:
             if model_impl != "auto" or task == "generate":
@@ -406,58 +418,6 @@ def _causal_lm(arch: str, convert: str, model_impl: str) -> str:
     return causal_lm
 
 
-def _checkpoint_dtype(hf_config: Any) -> Any:
-    # transformers 5 names it `dtype`, 4.x `torch_dtype` (reading the old name warns in 5).
-    return hf_config.__dict__.get("dtype", hf_config.__dict__.get("torch_dtype"))
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_dtype: Any) -> torch.dtype:
-    """The user's dtype; "auto": float32 on CPU, else the checkpoint's half type or what the GPU
-    supports."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        # float32 on CPU matches the reference to 1e-6; bfloat16 is opt-in (dtype="bfloat16").
-        return torch.float32
-    if hf_dtype in (torch.float16, torch.bfloat16):
-        return hf_dtype
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
-
-def default_device() -> torch.device:
-    """TIDEPOOL_DEVICE where set, else CUDA when present, else the CPU."""
-    forced = envs.device()
-    if forced:
-        return torch.device(forced)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-# Query expansion tokens that are not attended to run as per-sequence key counts (the attention
-# backends' key_lens). DeBERTa's reference also zeroes those tokens' embeddings (its embedding
-# mask), which key counts do not; the transformers backend / fallback pass no key counts.
-_KEY_LENS_BODIES = ("Bert", "Roberta", "XLMRoberta", "MPNet", "HF_ColBERT")
-
-
-def _check_multi_vector_body(meta: Any, resolved: ResolvedModel) -> None:
-    """Refuse a ColBERT body whose [MASK] expansion, not attended to, tidepool cannot run as the
-    reference does (PyLate / colbert-ir give those keys attention mask 0)."""
-    if not meta.do_query_expansion or meta.attend_to_expansion_tokens:
-        return
-    if resolved.model_impl == "native" and resolved.architecture.startswith(_KEY_LENS_BODIES):
-        return
-    raise ValueError(
-        f"a ColBERT model on {resolved.architecture} ({resolved.model_impl}) with query "
-        "expansion that is not attended to (attend_to_expansion_tokens / attend_to_mask_tokens "
-        "false) is not supported: only the native BERT / RoBERTa / XLM-R / MPNet bodies run "
-        "it as PyLate does; set attend_to_expansion_tokens true in "
-        "config_sentence_transformers.json if the checkpoint was trained that way"
-    )
-
-
 def _position_max_model_len(
     hf_config: Any, resolved: ResolvedModel, st: SentenceTransformersMeta
 ) -> int:
@@ -501,6 +461,13 @@ def _resolve_max_model_len(
             f"max_model_len={max_model_len} is larger than the model allows ({derived} tokens)"
         )
     return int(max_model_len)
+
+
+def _read_model_type(path: Path) -> object:
+    try:
+        return json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:

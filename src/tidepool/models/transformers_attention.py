@@ -11,10 +11,11 @@ which sequence, and where the KV cache is, comes from a step object that the bac
 model call's keyword arguments (`tidepool_step=...`); transformers 5 hands every keyword argument
 of the model's forward down to its attention functions. No global state is read:
 
-    EncoderStep   bidirectional attention over cu_seqlens on the model's attention backend
+    EncoderStep   attention inside each sequence of cu_seqlens on the model's attention backend
                   (attention/backend.py); a layer that asks for a sliding window (ModernBERT's
-                  local layers: key k is visible to query q when |q - k| < sliding_window) runs
-                  bucketed SDPA with a band mask
+                  local layers: key k is visible to query q when |q - k| < sliding_window) or
+                  for causal attention (`is_causal` in the call or on the module: CLIP's text
+                  tower) runs bucketed SDPA with a band / causal mask
     DecoderStep   causal attention over the paged KV cache (attention/paged*.py): this step's K/V are
                   written through the slot mapping, every key is read through the block table, so
                   chunked prefill and prefix caching work as with native models; the layer's cache
@@ -48,7 +49,8 @@ class UnsupportedAttentionError(NotImplementedError):
 
 @dataclass
 class EncoderStep:
-    """One encoder step: bidirectional attention inside each packed sequence."""
+    """One encoder step: attention inside each packed sequence (no KV cache), bidirectional
+    unless the layer asks for causal attention."""
 
     metadata: EncoderAttentionMetadata
     """The packed batch when the backend runs on packed tokens, else the padded layout's."""
@@ -57,7 +59,7 @@ class EncoderStep:
     bucketed SDPA with a band mask whatever it is."""
     modules_called: set[int] = field(default_factory=set)
     """id() of each attention module that ran (ALBERT runs one module in every layer)."""
-    _band_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _band_masks: dict[tuple[int, int, bool], torch.Tensor] = field(default_factory=dict)
 
     def attend(
         self,
@@ -67,19 +69,17 @@ class EncoderStep:
         value: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        causal: bool,
     ) -> torch.Tensor:
-        if getattr(module, "is_causal", False):
-            raise UnsupportedAttentionError(
-                f"{type(module).__name__} is causal, but the model runs as a bidirectional encoder"
-            )
         # [1, H, T, D] → [T, H, D] views (no copy).
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         num_tokens, num_heads, head_dim = q.shape
-        if sliding_window is None:
+        if sliding_window is None and not causal:
             out = self.backend.attend_heads(q, k, v, self.metadata, scale)
         else:
+            # A causal encoder layer (CLIP's text tower) or a window: masked SDPA per bucket.
             out = torch_backend.encoder_attention_heads(
-                q, k, v, self.metadata, scale, sliding_window, self._band_masks
+                q, k, v, self.metadata, scale, sliding_window, self._band_masks, causal
             )
         return out.view(1, num_tokens, num_heads, head_dim)
 
@@ -109,6 +109,7 @@ class DecoderStep:
         value: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        causal: bool,
     ) -> torch.Tensor:
         layer_idx = getattr(module, "layer_idx", None)
         if layer_idx not in self.cache_index:
@@ -121,7 +122,7 @@ class DecoderStep:
                 f"layer {layer_idx} attends with sliding_window={sliding_window}, but passed "
                 f"{self.declared_windows[index]} at load time; its KV cache was sized for that"
             )
-        _require_causal(module)
+        _require_causal(module, causal)
         # [1, H, T, D] → [T, H, D] views (no copy); paged_attention handles the strides.
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         meta = self.metadata.for_layer(index)
@@ -129,11 +130,13 @@ class DecoderStep:
         return out.view(1, q.shape[0], q.shape[1], q.shape[2])
 
 
-def _require_causal(module: nn.Module) -> None:
-    """Decoder steps refuse a layer that says it is bidirectional (no `is_causal`: causal)."""
-    if getattr(module, "is_causal", True) is False:
+def _require_causal(module: nn.Module, causal: bool) -> None:
+    """Decoder steps refuse a layer that attends bidirectionally (as it says in its module or in
+    the call's `is_causal`)."""
+    if not causal:
         raise UnsupportedAttentionError(
-            f"{type(module).__name__} is bidirectional, but the model runs as a causal decoder"
+            f"{type(module).__name__} attends bidirectionally, but the model runs as a causal "
+            "decoder"
         )
 
 
@@ -164,6 +167,7 @@ class ProbeStep:
         value: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        causal: bool,
     ) -> torch.Tensor:
         layer_idx = getattr(module, "layer_idx", None)
         if not isinstance(layer_idx, int) or layer_idx in self.layers:
@@ -171,7 +175,7 @@ class ProbeStep:
                 f"{type(module).__name__} has layer_idx={layer_idx!r}: each attention layer "
                 "needs its own integer layer_idx to find its KV cache"
             )
-        _require_causal(module)
+        _require_causal(module, causal)
         if value.shape[-1] != key.shape[-1]:
             raise UnsupportedAttentionError("keys and values of different head sizes")
         window = None if sliding_window is None else int(sliding_window)
@@ -192,16 +196,22 @@ def tidepool_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract; the step comes in kwargs[STEP_KWARG]."""
+    """transformers' attention-function contract; the step comes in kwargs[STEP_KWARG].
+
+    What the call asks for is honoured or refused, never dropped: `is_causal` (the call's value
+    wins over the module's attribute, as in transformers' sdpa_attention_forward: CLIP's text
+    model passes is_causal=True to layers whose module says False), `sliding_window`, `scaling`;
+    a mask or a position bias of the model's own, soft-capping and sinks are refused."""
     step: Step | None = kwargs.get(STEP_KWARG)
     if step is None:
         raise RuntimeError(
             f"{type(module).__name__} called tidepool's attention without the step metadata: the "
             "model's forward does not pass its keyword arguments down to its attention layers"
         )
-    if attention_mask is not None:
+    if attention_mask is not None or kwargs.get("position_bias") is not None:
         raise UnsupportedAttentionError(
             f"{type(module).__name__} adds its own attention mask or bias (e.g. relative position "
             "biases or a custom mask); tidepool's attention builds its masks from the packed batch"
@@ -216,8 +226,11 @@ def tidepool_attention(
             f"query {tuple(query.shape)} and key {tuple(key.shape)} (cross-attention?)"
         )
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", None)
+    if causal is None:  # no word either way: the step's kind decides (decoders are causal)
+        causal = not isinstance(step, EncoderStep)
     step.modules_called.add(id(module))
-    return step.attend(module, query, key, value, scale, sliding_window), None
+    return step.attend(module, query, key, value, scale, sliding_window, bool(causal)), None
 
 
 def register_attention() -> None:

@@ -25,7 +25,7 @@ import contextlib
 import copy
 import inspect
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +43,10 @@ from tidepool.models.transformers_attention import (
     register_attention,
 )
 from tidepool.models.transformers_wrappers import (
+    EOS_POOLED_ENCODERS,
     TransformersDecoderModel,
     TransformersEncoderModel,
+    TransformersEosPooledEncoder,
     attention_modules,
 )
 
@@ -97,7 +99,10 @@ def resolve_hf_class(
 
     mapping_name, auto_key = _AUTO_CLASSES[task]
     by_model_type = getattr(modeling_auto, mapping_name).get(getattr(hf_config, "model_type", None))
-    if has_hf_class(architecture) and (task != "embed" or architecture == by_model_type):
+    own_embedding = task == "embed" and architecture in EOS_POOLED_ENCODERS  # CLIP's projection
+    if has_hf_class(architecture) and (
+        task != "embed" or architecture == by_model_type or own_embedding
+    ):
         return getattr(transformers, architecture)
     auto_map = getattr(hf_config, "auto_map", None) or {}
     if not has_hf_class(architecture) and auto_key in auto_map:
@@ -303,9 +308,15 @@ def _weight_conversions(hf_model: nn.Module) -> list[Any]:
     return list(get_model_conversion_mapping(hf_model, add_legacy=False))
 
 
-def build_transformers_model(config: ModelConfig, with_weights: bool = True) -> nn.Module:
+def build_transformers_model(
+    config: ModelConfig,
+    with_weights: bool = True,
+    fill: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
     """The HF model for `config`, weights loaded, wrapped with the native models' contract;
-    `with_weights=False`: uninitialized, nothing read from the checkpoint (a dry run's model)."""
+    `with_weights=False`: nothing read from the checkpoint (a dry run's model), parameters
+    uninitialized, or set by `fill(hf_model)` and the Linear layers left as HF's (the load-time
+    check compares two runs of the same modules: packing them would only cost time)."""
     info = inspect_hf_model(
         config.architecture, config.task, config.hf_config, config.path, config.trust_remote_code
     )
@@ -313,6 +324,8 @@ def build_transformers_model(config: ModelConfig, with_weights: bool = True) -> 
         hf_model = info.hf_class(backend_config(config.hf_config))
     if not with_weights:
         _materialize(hf_model, config.device)
+        if fill is not None:
+            fill(hf_model)
     elif _weight_conversions(hf_model):
         # Checkpoint tensors that transformers renames, splits or merges on load (NomicBERT's
         # fused Wqkv, ...): its own loader does that (also from the meta device, no copy).
@@ -329,10 +342,13 @@ def build_transformers_model(config: ModelConfig, with_weights: bool = True) -> 
     if config.task == "embed" and isinstance(getattr(body, "pooler", None), nn.Module):
         body.pooler = None  # BERT's pooler feeds classifiers only (add_pooling_layer=False)
     hf_model.eval().requires_grad_(False)
-    _use_packed_linears(hf_model)
+    if fill is None:
+        _use_packed_linears(hf_model)
     model: TransformersDecoderModel | TransformersEncoderModel
     if info.is_causal:
         model = TransformersDecoderModel(hf_model, config)
+    elif config.task == "embed" and type(hf_model).__name__ in EOS_POOLED_ENCODERS:
+        model = TransformersEosPooledEncoder(hf_model, config, info.position_offset)
     else:
         model = TransformersEncoderModel(hf_model, config, info.position_offset)
     # Builds the CPU attention kernel now, if it runs here.

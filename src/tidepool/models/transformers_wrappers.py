@@ -146,8 +146,55 @@ def _check_attention_calls(
         )
 
 
+def _embeddings_in_chunks(hf_model: nn.Module, limit: int) -> None:
+    """Run the body's embedding module (the parent of its input embeddings) on pieces of at most
+    `limit` tokens when a step is longer: the packed batch is one row [1, num_tokens], and some
+    embedding modules check that row against max_position_embeddings (CLIP's: "Sequence length
+    must be less than max_position_embeddings"), a per-sequence limit that packed steps exceed.
+    Embedding modules work token by token (lookups, adds, LayerNorm), so the pieces' outputs,
+    concatenated, are the whole row's. Patched on the instance: names and weights unchanged."""
+    body = hf_model.base_model
+    try:
+        tokens = body.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return
+    parent = next(
+        (m for m in body.modules() if m is not body and any(c is tokens for c in m.children())),
+        None,
+    )
+    if parent is None or limit <= 0:
+        return  # token embeddings owned by the body itself: it computes positions (RoPE, ...)
+    forward = parent.forward
+
+    def forward_in_chunks(*args: Any, **kwargs: Any) -> torch.Tensor:
+        rows = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 1]
+        length = rows[0].shape[1] if rows else 0
+        if length <= limit:
+            return forward(*args, **kwargs)
+
+        def piece(x: Any, start: int) -> Any:
+            along = isinstance(x, torch.Tensor) and x.dim() > 1 and x.shape[1] == length
+            return x[:, start : start + limit] if along else x
+
+        pieces = []
+        for start in range(0, length, limit):
+            out = forward(
+                *(piece(a, start) for a in args), **{k: piece(v, start) for k, v in kwargs.items()}
+            )
+            if not isinstance(out, torch.Tensor):
+                raise UnsupportedAttentionError(
+                    f"{type(parent).__name__} returns {type(out).__name__}, not one tensor: "
+                    "tidepool cannot run it on steps longer than max_position_embeddings"
+                )
+            pieces.append(out)
+        return torch.cat(pieces, dim=1)
+
+    parent.forward = forward_in_chunks
+
+
 class TransformersEncoderModel(nn.Module):
-    """A bidirectional HF encoder on the packed batch (no KV cache)."""
+    """A HF encoder on the packed batch (no KV cache): bidirectional, or causal where its layers
+    ask for it (CLIP's text tower)."""
 
     is_causal: ClassVar[bool] = False
     supports_first_token_only: ClassVar[bool] = False
@@ -167,6 +214,8 @@ class TransformersEncoderModel(nn.Module):
         self._head = HeadRunner(hf_model, is_causal=False) if config.task != "embed" else None
         self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
         """Chosen by the loader (attention/backend.py)."""
+        limit = int(getattr(hf_model.config, "max_position_embeddings", 0) or 0)
+        _embeddings_in_chunks(hf_model, limit)
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
         config = self.hf_model.config
@@ -226,6 +275,73 @@ class TransformersEncoderModel(nn.Module):
         HF head on each token as a one-token sequence (its head reads each row alone)."""
         assert self._head is not None, "an embedding model has no head"
         return self._head(hidden)
+
+
+EOS_POOLED_ENCODERS: dict[str, str | None] = {
+    "CLIPTextModel": None,
+    "CLIPTextModelWithProjection": "text_projection",
+}
+"""HF classes whose embedding is the EOS token's state (their pooler_output), then the named
+projection (text_embeds): transformers' CLIP text towers, as CLIPModel.get_text_features and
+sentence-transformers' CLIP module compute it."""
+
+
+class EosPooling:
+    """An EmbeddingPoolingHead (models/interfaces.py) for the HF classes of EOS_POOLED_ENCODERS:
+    the state at each sequence's EOS token as transformers picks it, through the tower's
+    projection when it has one. Mixed into the backend's and the fallback's encoder wrappers."""
+
+    own_pooling_name = "EOS"
+    embedding_size: int
+    _projection: nn.Module | None
+    _eos_token_id: int | None
+
+    def _init_eos_pooling(self, hf_model: nn.Module) -> None:
+        projection = EOS_POOLED_ENCODERS[type(hf_model).__name__]
+        self._projection = None if projection is None else getattr(hf_model, projection)
+        eos = getattr(hf_model.base_model, "eos_token_id", hf_model.config.eos_token_id)
+        self._eos_token_id = None if eos is None else int(eos)
+        width = hf_model.config.hidden_size
+        if self._projection is not None:
+            width = self._projection.out_features
+        self.embedding_size = int(width)
+
+    def pool_embeddings(
+        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """transformers' rule (CLIPTextModel.forward): with the legacy eos_token_id 2, the first
+        position of the sequence's largest id (the EOS of CLIP's vocabulary); else the first
+        position of eos_token_id, the sequence's first token where there is none."""
+        num_tokens, num_seqs = hidden.shape[0], cu_seqlens.numel() - 1
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        seq = torch.repeat_interleave(torch.arange(num_seqs, device=hidden.device), lens)
+        if self._eos_token_id == 2:
+            lowest = torch.iinfo(input_ids.dtype).min
+            seq_max = input_ids.new_full((num_seqs,), lowest)
+            seq_max = seq_max.scatter_reduce(0, seq, input_ids, "amax")
+            match = input_ids == seq_max[seq]
+        elif self._eos_token_id is None:  # transformers compares with None: no match anywhere
+            match = torch.zeros_like(input_ids, dtype=torch.bool)
+        else:
+            match = input_ids == self._eos_token_id
+        position = torch.arange(num_tokens, device=hidden.device)
+        candidates = torch.where(match, position, num_tokens)
+        first = candidates.new_full((num_seqs,), num_tokens)
+        first = first.scatter_reduce(0, seq, candidates, "amin")
+        first = torch.where(first == num_tokens, cu_seqlens[:-1], first)
+        pooled = hidden.index_select(0, first)
+        return pooled if self._projection is None else self._projection(pooled)
+
+
+class TransformersEosPooledEncoder(EosPooling, TransformersEncoderModel):
+    """A CLIP text tower on the backend: causal layers (the call's is_causal), EOS pooling."""
+
+    def __init__(self, hf_model: nn.Module, config: ModelConfig, position_offset: int) -> None:
+        super().__init__(hf_model, config, position_offset)
+        # Where sentence-transformers metadata names no pooling, the pooler calls
+        # pool_embeddings; its Pooling module's mode otherwise (LAST: where CLIP's EOS is).
+        self.default_pooling_type = "LAST"
+        self._init_eos_pooling(hf_model)
 
 
 class TransformersDecoderModel(nn.Module):

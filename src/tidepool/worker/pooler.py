@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidepool.config import ModelConfig
-from tidepool.models.interfaces import ClassifierHead, PoolingModel
+from tidepool.models.interfaces import ClassifierHead, EmbeddingPoolingHead, PoolingModel
 from tidepool.models.loader import DenseModule
 from tidepool.params import PoolingParams
 from tidepool.worker.token_poolers import TOKEN_POOLERS, TokenPooler, check_head
@@ -131,6 +131,24 @@ PREFIX_CACHE_SAFE_METHODS = ("LAST",)
 """Methods that read only the last token: a prefix-cache hit (skipping the first tokens) is fine."""
 
 
+def _own_pooling(config: ModelConfig, model: PoolingModel) -> EmbeddingPoolingHead | None:
+    """The model's own embedding pooling, where it has one and nothing else is asked for."""
+    st = config.st
+    if config.task != "embed" or st.pooling_mode is not None or st.dense:
+        return None
+    return model if isinstance(model, EmbeddingPoolingHead) else None
+
+
+def own_method(
+    model: EmbeddingPoolingHead,
+) -> Callable[[torch.Tensor, PoolingMetadata], torch.Tensor]:
+    def pool(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+        assert meta.input_ids is not None, "the model's own pooling reads the token ids"
+        return model.pool_embeddings(hidden, meta.cu_seqlens, meta.input_ids)
+
+    return pool
+
+
 class Pooler(nn.Module):
     """Turns a step's hidden states into one output tensor per request (on the CPU, float32)."""
 
@@ -138,12 +156,17 @@ class Pooler(nn.Module):
         super().__init__()
         st = model_config.st
         pooling_type = (st.pooling_mode or model.default_pooling_type).upper()
-        if pooling_type not in POOLING_METHODS:
+        own = _own_pooling(model_config, model)
+        if own is not None:
+            # The model's own embedding (CLIP's text towers: EOS token, projection), as its
+            # library computes it, unless sentence-transformers metadata names a pooling.
+            pooling_type = own.own_pooling_name
+        elif pooling_type not in POOLING_METHODS:
             raise ValueError(
                 f"pooling mode {pooling_type} is not supported; supported: {sorted(POOLING_METHODS)}"
             )
         self.pooling_type = pooling_type
-        self._method = POOLING_METHODS[pooling_type]
+        self._method = POOLING_METHODS[pooling_type] if own is None else own_method(own)
         tasks = model_config.pooling_tasks
         if "classify" in tasks and not isinstance(model, ClassifierHead):
             raise TypeError(f"{type(model).__name__} has no classifier head (compute_logits)")
@@ -177,6 +200,8 @@ class Pooler(nn.Module):
         self.embed_size = (
             self.dense[-1].weight.shape[0] if self.dense else model_config.hf_config.hidden_size
         )
+        if own is not None:
+            self.embed_size = own.embedding_size
 
     def supported_tasks(self) -> tuple[str, ...]:
         return self.model_config.pooling_tasks
