@@ -181,11 +181,6 @@ QWEN3_RERANKER_OVERRIDES = {
     "is_original_qwen3_reranker": True,
 }
 
-CLIP_KNOWN = (
-    "CLIP text towers on the transformers backend: causal mask ignored, projection dropped, "
-    "packed length checked against max_position_embeddings: fixed on branch h-backend"
-)
-
 
 def backend_family() -> list[Case]:
     """Architectures without a native model (the transformers backend, else the fallback), and
@@ -274,11 +269,11 @@ def backend_family() -> list[Case]:
         initializer_range=0.2,
     )
     clip_tokens = Model("clip-text", "CLIPTextConfig", "CLIPTextModel", clip, "bert")
-    cases.append(Case(clip_tokens, "tokens", ci=True, xfail=CLIP_KNOWN))
+    cases.append(Case(clip_tokens, "tokens", ci=True))
     clip_proj = Model(
         "clip-text-proj", "CLIPTextConfig", "CLIPTextModelWithProjection", clip, "bert"
     )
-    cases.append(Case(clip_proj, "clip_embed", ci=True, xfail=CLIP_KNOWN))
+    cases.append(Case(clip_proj, "clip_embed", ci=True))
     return cases
 
 
