@@ -26,6 +26,16 @@ def roberta_position_offset(config) -> int:
     return (1 if pad is None else int(pad)) + 1
 
 
+def check_bidirectional(config) -> None:
+    """Refuse a config that makes transformers run this encoder as a causal decoder."""
+    if getattr(config, "is_decoder", False):
+        raise ValueError(
+            f"{type(config).__name__} has is_decoder=True: transformers runs it with causal "
+            "attention, which tidepool's native encoder does not implement; "
+            'model_impl="transformers" runs it as transformers does'
+        )
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, config, position_offset: int = 0) -> None:
         super().__init__()
@@ -176,6 +186,7 @@ class BertModel(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
+        check_bidirectional(config)
         self.config = config
         offset = 0
         if self.position_offset_from_padding:

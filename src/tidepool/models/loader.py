@@ -276,6 +276,20 @@ _POOLING_NAMES = {
 }
 
 
+# sentence-transformers modules a pipeline may hold (by class name): the body, the poolers, the
+# heads the pooler runs, and Dropout (the identity at inference). Any other module changes the
+# outputs in a way tidepool does not implement: the folder is refused.
+_ST_MODULES = (
+    "Transformer",
+    "MLMTransformer",
+    "Pooling",
+    "SpladePooling",
+    "Dense",
+    "Normalize",
+    "Dropout",
+)
+
+
 def _read_json(path: Path) -> dict | list | None:
     if not path.is_file():
         return None
@@ -339,6 +353,11 @@ def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
     for module in modules or []:
         mtype = module.get("type", "")
         mpath = folder / module.get("path", "")
+        if mtype.rsplit(".", 1)[-1] not in _ST_MODULES:
+            raise ValueError(
+                f"{folder}/modules.json: the sentence-transformers module {mtype!r} is not "
+                f"supported (tidepool runs {', '.join(_ST_MODULES)}); its outputs would differ"
+            )
         if mtype.endswith("Pooling"):
             pcfg = _read_json(mpath / "config.json") or {}
             # sentence-transformers >= 5 writes one key, `"pooling_mode": "mean"` (or a list);

@@ -78,7 +78,15 @@ class RotaryEmbedding(nn.Module):
                 f"RoPE scaling {rope_type!r} is not supported; supported: {sorted(ROPE_TYPES)}"
             )
         partial = float(params.get("partial_rotary_factor", 1.0) or 1.0)
-        self.rotary_dim = int(head_size * partial)
+        if partial != 1.0:
+            # transformers' Llama / Mistral / Qwen / Gemma rotate every dim whatever the factor
+            # says (default RoPE), or fail (scaled types); vLLM rotates the fraction: refused.
+            raise ValueError(
+                f"partial_rotary_factor={partial} is not supported for {type(config).__name__}: "
+                "transformers rotates the whole head for this architecture and vLLM only that "
+                "fraction, so tidepool does not pick one"
+            )
+        self.rotary_dim = head_size
         self.head_size = head_size
         self._params = params
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)

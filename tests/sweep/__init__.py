@@ -1,0 +1,2 @@
+"""The differential sweep: every registered architecture and path against its reference
+(tests/sweep/README.md)."""
