@@ -10,7 +10,10 @@ kernel's AMX-bf16 modes (cpu_kernels.MATMULS) to the rotation, each with its spe
 kernel's float32 products and its max abs difference to them.
 
     python benchmarks/cpu_attention.py [--dtype float32|bfloat16] [--threads 2] [--calls 25]
-        [--head-dim 64] [--matmul bf16,bf16x3]
+        [--head-dim 64] [--matmul bf16,bf16x3] [--isa avx2]
+
+Prints the CPU's instruction sets and which build of the kernel ran (cpu_features.py: the best
+the CPU has, or the one `--isa` caps it to, as TIDEPOOL_CPU_ISA does).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from corpus import make_corpus  # noqa: E402
 
-from tidepool.attention import cpu_kernels, torch_backend  # noqa: E402
+from tidepool.attention import cpu_features, cpu_kernels, torch_backend  # noqa: E402
 from tidepool.attention.backend import CPU_KERNEL, CpuKernelBackend  # noqa: E402
 from tidepool.attention.metadata import build_encoder_metadata, pad_buckets  # noqa: E402
 
@@ -62,12 +65,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--calls", type=int, default=25)
     parser.add_argument("--matmul", default="", help="AMX modes to add: bf16,bf16x3")
+    parser.add_argument("--isa", default=None, help="cap the kernel's build (TIDEPOOL_CPU_ISA)")
     args = parser.parse_args()
+    if args.isa:
+        os.environ["TIDEPOOL_CPU_ISA"] = args.isa
+        cpu_features.reset()
+    print(f"CPU: {cpu_features.describe()}; kernel build: {cpu_kernels.chosen_isa()}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if not cpu_kernels.supports(torch.device("cpu"), dtype, args.head_dim):
-        sys.exit("the CPU kernel is not available here (needs AVX-512 and a C++ compiler)")
+        sys.exit("the CPU kernel is not available here (needs AVX2 + FMA and a C++ compiler)")
     lens = step_lengths(args.tokens)
     torch.manual_seed(0)
     qkv = torch.randn(sum(lens), 3, args.heads, args.head_dim).to(dtype)

@@ -42,6 +42,21 @@ def cpu_attention() -> str:
     return value
 
 
+CPU_ISAS = ("auto", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "avx512_bf16", "amx")
+"""TIDEPOOL_CPU_ISA's values: "auto" and attention/cpu_features.py's LEVELS, ascending."""
+
+
+def cpu_isa() -> str:
+    """TIDEPOOL_CPU_ISA: the highest instruction-set level tidepool's CPU kernels may use, as
+    oneDNN's ONEDNN_MAX_CPU_ISA caps oneDNN's (attention/cpu_features.py): "avx2" runs the AVX2
+    builds on an AVX-512 CPU, "avx512" keeps the AMX paths off. "auto" (default): no cap. A cap
+    above what the CPU has changes nothing; torch's own oneDNN is not capped by it."""
+    value = (os.environ.get("TIDEPOOL_CPU_ISA") or "auto").lower()
+    if value not in CPU_ISAS:
+        raise ValueError(f"TIDEPOOL_CPU_ISA must be one of {', '.join(CPU_ISAS)}, got {value!r}")
+    return value
+
+
 def int8_gemm() -> str:
     """TIDEPOOL_INT8_GEMM: the int8 linears' GEMM. "auto" (default): tidepool's AMX kernel with
     the epilogue in its tile loop where the CPU has AMX-INT8 and the shape fits (K % 64, N % 32),

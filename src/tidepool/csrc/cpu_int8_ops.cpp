@@ -112,7 +112,11 @@ void dequant_norm_(at::Tensor& y, const at::Tensor& scale,
 
 }  // namespace
 
-TORCH_LIBRARY(tidepool_int8, m) {
+#ifndef TP_NS
+#define TP_NS tidepool_int8
+#endif
+
+TORCH_LIBRARY(TP_NS, m) {
   m.def(
       "quantize_rows(Tensor x, Tensor? smoothing, bool asym, Tensor(a!) q, Tensor(b!) scale, "
       "Tensor(c!) scaled_zero) -> ()");
@@ -126,7 +130,7 @@ TORCH_LIBRARY(tidepool_int8, m) {
       "Tensor(b!)? q, Tensor(c!)? q_scale, Tensor(d!)? q_scaled_zero, Tensor(e!)? out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tidepool_int8, CPU, m) {
+TORCH_LIBRARY_IMPL(TP_NS, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
   m.impl("dequant_", &dequant_);
   m.impl("dequant_norm_", &dequant_norm_);
