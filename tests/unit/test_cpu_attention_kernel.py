@@ -17,36 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cpu_isa import build_fixture
+
 from tidepool.attention import cpu_features, cpu_kernels
 
 
-def _isa_param(isa: str):
-    return pytest.param(
-        isa,
-        marks=pytest.mark.skipif(
-            not cpu_features.cpu_has(isa),
-            reason=f"the {isa} build needs {', '.join(cpu_features.LEVELS[isa])}: "
-            + cpu_features.why_not(isa),
-        ),
-    )
-
-
-@pytest.fixture(params=[_isa_param(isa) for isa in cpu_kernels.BUILD_ISAS])
-def kernel_isa(request, monkeypatch):
-    """Each test that uses the kernel runs once per build (csrc/cpu_simd.h's ISAs) the CPU can
-    run: TIDEPOOL_CPU_ISA caps the choice to that build, so the models and backends take it
-    too (on AVX-512 CPUs the AVX2 build runs as well)."""
-    isa = request.param
-    if cpu_kernels.load_isa(isa) is None:
-        pytest.skip(f"the {isa} build of the kernel did not build here (a C++ compiler?)")
-    monkeypatch.setenv("TIDEPOOL_CPU_ISA", isa)
-    cpu_features.reset()
-    assert cpu_kernels.chosen_isa() == isa
-    yield isa
-    monkeypatch.undo()
-    cpu_features.reset()
-
-
+kernel_isa = build_fixture(cpu_kernels.BUILD_ISAS, cpu_kernels.load_isa, "the kernel")
+"""Each test that uses the kernel runs once per build the CPU can run (on AVX-512 CPUs the AVX2
+build runs as well)."""
 requires_kernel = pytest.mark.usefixtures("kernel_isa")
 
 # Lengths around the kernel's tiles (8 query rows, 32 keys) and vector width (16), and long ones.

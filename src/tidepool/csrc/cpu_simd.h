@@ -13,6 +13,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <cstring>
 
 #define TP_INLINE inline __attribute__((always_inline))
 
@@ -70,6 +71,31 @@ TP_INLINE void vstore(c10::BFloat16* p, vf v) {
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+// Masked loads / stores (masked-off lanes read as 0, never touched in memory) and the integer
+// side of the int8 kernels (cpu_int8_common.h).
+TP_INLINE vf vload_masked(const float* p, vmask m) { return _mm512_maskz_loadu_ps(m, p); }
+TP_INLINE void vstore_masked(float* p, vmask m, vf v) { _mm512_mask_storeu_ps(p, m, v); }
+TP_INLINE vf vabs(vf v) { return _mm512_abs_ps(v); }
+TP_INLINE vf vmask_min(vf a, vmask m, vf b) { return _mm512_mask_min_ps(a, m, a, b); }
+TP_INLINE vf vmaskz_sub(vmask m, vf a, vf b) { return _mm512_maskz_sub_ps(m, a, b); }
+TP_INLINE float vreduce_min(vf v) { return _mm512_reduce_min_ps(v); }
+// 1 / v to 14 bits (then one Newton step in the callers).
+TP_INLINE vf vrcp(vf v) { return _mm512_rcp14_ps(v); }
+// Round to nearest even (the default MXCSR mode), as torch.round.
+TP_INLINE vi vround_int(vf v) { return _mm512_cvtps_epi32(v); }
+TP_INLINE vi vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
+TP_INLINE vi vi_zero() { return _mm512_setzero_si512(); }
+TP_INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+TP_INLINE vi vi_min(vi a, vi b) { return _mm512_min_epi32(a, b); }
+TP_INLINE vi vi_max(vi a, vi b) { return _mm512_max_epi32(a, b); }
+// The first min(left, kW) lanes as bytes, saturated to int8 / uint8.
+TP_INLINE void store_s8(int8_t* p, vi v, int64_t left) {
+  _mm_mask_storeu_epi8(p, lanes(left), _mm512_cvtsepi32_epi8(v));
+}
+TP_INLINE void store_u8(uint8_t* p, vi v, int64_t left) {
+  _mm_mask_storeu_epi8(p, lanes(left), _mm512_cvtusepi32_epi8(v));
 }
 
 // kW x kW transpose in registers: r[i] holds row i on entry, column i on exit.
@@ -164,6 +190,59 @@ TP_INLINE void vstore(c10::BFloat16* p, vf v) {
   // Each lane now <= 0xFFFF: the unsigned saturating pack is exact.
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// Masked loads / stores (masked-off lanes read as 0, never touched in memory: vmaskmovps) and
+// the integer side of the int8 kernels (cpu_int8_common.h).
+// (Full vectors take the plain load / store: vmaskmovps is slow on some CPUs, AMD's stores.)
+TP_INLINE bool all_lanes(vmask m) { return _mm256_movemask_ps(_mm256_castsi256_ps(m)) == 0xFF; }
+TP_INLINE vf vload_masked(const float* p, vmask m) {
+  return all_lanes(m) ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m);
+}
+TP_INLINE void vstore_masked(float* p, vmask m, vf v) {
+  if (all_lanes(m))
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, m, v);
+}
+TP_INLINE vf vabs(vf v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+TP_INLINE vf vmask_min(vf a, vmask m, vf b) {
+  return _mm256_blendv_ps(a, _mm256_min_ps(a, b), _mm256_castsi256_ps(m));
+}
+TP_INLINE vf vmaskz_sub(vmask m, vf a, vf b) { return vmaskz(m, _mm256_sub_ps(a, b)); }
+TP_INLINE float vreduce_min(vf v) {
+  __m128 s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_min_ss(s, _mm_movehdup_ps(s)));
+}
+// 1 / v to ~23 bits: vrcpps's 12 and one Newton step, so that the callers' own Newton step
+// ends at float32's precision as AVX-512's 14-bit start does (with 12 bits, GELU's 1 + erf(x)
+// for x < -4, a difference of nearly equal numbers, was off by 1e-7 relative to 1).
+TP_INLINE vf vrcp(vf v) {
+  const vf r = _mm256_rcp_ps(v);
+  return _mm256_mul_ps(r, _mm256_fnmadd_ps(v, r, _mm256_set1_ps(2.f)));
+}
+TP_INLINE vi vround_int(vf v) { return _mm256_cvtps_epi32(v); }
+TP_INLINE vi vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
+TP_INLINE vi vi_zero() { return _mm256_setzero_si256(); }
+TP_INLINE vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+TP_INLINE vi vi_min(vi a, vi b) { return _mm256_min_epi32(a, b); }
+TP_INLINE vi vi_max(vi a, vi b) { return _mm256_max_epi32(a, b); }
+// The first min(left, kW) lanes as bytes, saturated to int8 / uint8 (packs: 32 -> 16 -> 8
+// bits); a tail of fewer than 8 goes through memcpy (AVX2 has no byte-masked store).
+TP_INLINE void store_bytes(void* p, __m128i bytes, int64_t left) {
+  if (left >= 8)
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), bytes);
+  else
+    std::memcpy(p, &bytes, static_cast<size_t>(left));
+}
+TP_INLINE void store_s8(int8_t* p, vi v, int64_t left) {
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  store_bytes(p, _mm_packs_epi16(w, w), left);
+}
+TP_INLINE void store_u8(uint8_t* p, vi v, int64_t left) {
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  store_bytes(p, _mm_packus_epi16(w, w), left);
 }
 
 // 8 x 8 transpose in registers: r[i] holds row i on entry, column i on exit.

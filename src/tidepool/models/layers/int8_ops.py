@@ -23,7 +23,7 @@ from tidepool.attention import cpu_features, cpu_kernels
 
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_int8_ops.cpp"
 _NAMESPACE = "tidepool_int8"
-BUILD_ISAS = ("avx512",)
+BUILD_ISAS = ("avx512", "avx2")
 """The ISA levels the quantizer / epilogue kernels are built for, best first."""
 ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2}
 """The activations the epilogue applies itself (the kernel's codes); others run as torch ops."""
