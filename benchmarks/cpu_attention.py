@@ -102,7 +102,9 @@ def end_to_end(num_texts: int, rounds: int) -> None:
     print(f"{num_texts} texts, {tokens} tokens, {torch.get_num_threads()} threads, {rounds} rounds")
     for name, ts in times.items():
         cos = torch.nn.functional.cosine_similarity(outputs[name], outputs["st"]).min().item()
-        print(f"  {name:6s} {tokens / statistics.median(ts):8.0f} tokens/s  cos min vs ST {cos:.6f}")
+        print(
+            f"  {name:6s} {tokens / statistics.median(ts):8.0f} tokens/s  cos min vs ST {cos:.6f}"
+        )
     for a, b in (("kernel", "sdpa"), ("kernel", "st"), ("sdpa", "st")):
         ratio = statistics.median(y / x for x, y in zip(times[a], times[b], strict=True))
         print(f"  {a} / {b} (median of per-round ratios): {ratio:.3f}x")

@@ -34,7 +34,8 @@ def cache_dir() -> str:
 
 def cpu_attention() -> str:
     """TIDEPOOL_CPU_ATTENTION: the encoders' attention kernel on CPU. "auto" (default): tidepool's
-    own AVX-512 kernel where the CPU has AVX-512 and it builds, else PyTorch's SDPA; "native": the
+    own kernel (its AVX-512 or AVX2 build, cpu_isa) where the CPU has one and it builds, else
+    PyTorch's SDPA; "native": the
     own kernel or an error saying why not; "sdpa": always PyTorch's SDPA."""
     value = (os.environ.get("TIDEPOOL_CPU_ATTENTION") or "auto").lower()
     if value not in ("auto", "native", "sdpa"):

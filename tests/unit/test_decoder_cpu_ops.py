@@ -15,9 +15,7 @@ from tidepool.attention.paged_metadata import build_group_metadata, plan_buckets
 from tidepool.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from tidepool.models.layers.rotary import apply_rotary
 
-decoder_isa = build_fixture(
-    cpu_kernels.BUILD_ISAS, cpu_decoder_ops.load, "the CPU decoder kernels"
-)
+decoder_isa = build_fixture(cpu_kernels.BUILD_ISAS, cpu_decoder_ops.load, "the CPU decoder kernels")
 """Each kernel test runs once per build (AVX-512, AVX2 + FMA) the CPU can run."""
 needs_kernels = pytest.mark.usefixtures("decoder_isa")
 

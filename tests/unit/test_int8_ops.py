@@ -32,7 +32,6 @@ def _ops():
     return int8_ops.load()
 
 
-
 def _rows(num_tokens: int, width: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, width, generator=generator)
@@ -123,7 +122,9 @@ def test_gelu_is_within_2e_6_of_float64() -> None:
 def test_bad_arguments_are_refused() -> None:
     x = torch.randn(4, 32)
     with pytest.raises(RuntimeError, match="q: contiguous uint8"):
-        _ops().quantize_rows(x, None, True, torch.empty(4, 32, dtype=torch.int8), *torch.empty(2, 4))
+        _ops().quantize_rows(
+            x, None, True, torch.empty(4, 32, dtype=torch.int8), *torch.empty(2, 4)
+        )
     with pytest.raises(RuntimeError, match="scaled_zero and wsum come together"):
         _ops().dequant_(x, torch.ones(4), torch.ones(4), None, None, 0, *[None] * 7)
 

@@ -2,7 +2,7 @@
 
 `encoder_attention` (csrc/cpu_encoder_attention.cpp) is bidirectional attention over packed,
 variable-length sequences: no padding, no mask, each (sequence, head) one task for a thread,
-AVX-512 in float32 with float32 or bfloat16 inputs, head_dim 32, 64 or 128, with an optional
+float32 arithmetic on float32 or bfloat16 inputs, head_dim 32, 64 or 128, with an optional
 relative position bias read per head by key - query distance (MPNet), and optional key counts
 per sequence (keys are a sequence's first key_lens[i] tokens, queries all of them: ColBERT
 queries whose [MASK] expansion is not attended to). Its two products (scores Q·Kᵀ and P·V) run
@@ -15,9 +15,13 @@ tiny GEMMs (25-60 GFLOP/s here; figures in docs/performance.md). Written by hand
 no maintained library offers varlen encoder attention for CPU (vLLM's CPU kernels are part of
 vLLM, not a library).
 
-The build takes ~10 s once per machine (torch caches it under TORCH_EXTENSIONS_DIR, by default
+One source, built per ISA (BUILD_ISAS; csrc/cpu_simd.h): AVX-512 (16 lanes, and the AMX-bf16
+products where the CPU has them) or AVX2 + FMA (8 lanes; laptops, older servers, AMD Zen 2 / 3).
+The build run is chosen once, at load, by cpu_features.py: the best the CPU has, capped by
+TIDEPOOL_CPU_ISA (=avx2 runs the AVX2 build on an AVX-512 machine). Each build takes ~10-40 s
+once per machine (torch caches it under TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions); it needs a C++ compiler and ninja (the `ninja` package is a
-dependency). Where the CPU has no AVX-512 or the build fails, `load()` says why once and returns
+dependency). Where the CPU has neither ISA or the build fails, `load()` says why once and returns
 None, and the encoders keep PyTorch's SDPA. TIDEPOOL_CPU_ATTENTION=sdpa turns the kernel off,
 =native makes a failure an error (envs.cpu_attention).
 """

@@ -6,8 +6,10 @@ a row while it sits in L1.
 Why: the same work as torch ops took ~63% of an int8 pass (three to four passes over each
 input to quantize it, two to three over each output; profile in docs/performance.md, "int8"),
 several times the GEMM itself. Built on first use like the attention kernels (named by the
-source's hash, cached under TORCH_EXTENSIONS_DIR); where the build fails or the CPU has no
-AVX-512, `load()` says why once and returns None, and `Int8Linear` keeps its torch ops.
+source's hash, cached under TORCH_EXTENSIONS_DIR), for AVX-512 or AVX2 + FMA (BUILD_ISAS, one
+source: csrc/cpu_simd.h; chosen once by attention/cpu_features.py, capped by TIDEPOOL_CPU_ISA);
+where the build fails or the CPU has neither, `load()` says why once and returns None, and
+`Int8Linear` keeps its torch ops. The AMX GEMM (load_amx) needs the "amx" level.
 TIDEPOOL_CPU_ATTENTION=sdpa turns these off too (one switch for tidepool's hand-written CPU
 code), =native makes a failure an error.
 """
