@@ -10,9 +10,10 @@ pieces each; the shared prefix is ~110 tokens, a document ~50).
 
 transformers runs the model card's recipe, made as fast as it goes: the templated pairs in
 batches (left padding), `logits_to_keep=1` so only the last position's logits are computed, and
-the yes / no columns of those. tidepool reads the pairs through its built-in template; with prefix
-caching, the system prompt + instruction + query blocks are computed once per call (the cache is
-emptied before each of its runs) and every document computes only its own tokens.
+the yes / no columns of those. tidepool reads the pairs through its built-in template (asked for:
+score_template="qwen3_reranker"); with prefix caching, the system prompt + instruction + query
+blocks are computed once per call (the cache is emptied before each of its runs) and every
+document computes only its own tokens.
 
 With --vllm-python (a venv with vLLM's CPU build, e.g. /work/venv-vllm/bin/python), vLLM runs too,
 in its own process under that python (peer_worker.py, with peers.py's CPU environment and
@@ -291,7 +292,12 @@ def main() -> None:
     path = build_reranker(args.layers)
     query = "what is the capital of france and how many people live there?"
     docs = [" ".join(t.split()[:40]) for t in make_corpus(args.docs, seed=3)]
-    common = dict(hf_overrides=QWEN3_RERANKER, dtype="float32", device="cpu")
+    common = dict(
+        hf_overrides=QWEN3_RERANKER,
+        score_template="qwen3_reranker",  # plain texts, formatted by tidepool
+        dtype="float32",
+        device="cpu",
+    )
     on = LLM(str(path), enable_prefix_caching=True, **common)
     off = LLM(str(path), enable_prefix_caching=False, **common)
     template = on.model_config.score_template

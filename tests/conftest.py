@@ -9,6 +9,7 @@ the terminal summary, so a loosening of numerics shows up even when the asserts 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from st_metadata import write_st_metadata
+
+# The suite never asks the real Hub: a model id resolves from the cache or a package (the test
+# Hub, tests/hub_server.py, turns this off for its own tests). Set before huggingface_hub is
+# imported, which reads it once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# The test Hub's fixtures (fake_hub, hub_models) for every test directory.
+pytest_plugins = ["hub_server"]
 
 MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
 BERT_TOKENIZER_FILES = (

@@ -49,6 +49,11 @@ class SentenceTransformersMeta:
     """The prompt used when a request names none."""
     is_sentence_transformer: bool = False
     """The folder has a modules.json (a sentence-transformers pipeline)."""
+    tokenizer_max_length: int | None = None
+    """tokenizer_config.json's model_max_length (None when unset or the "no limit" value):
+    sentence-transformers truncates a plain folder's texts there (its Transformer module takes
+    min(max_position_embeddings, model_max_length)), so it caps a plain encoder's default
+    max_model_len."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,14 @@ class ModelConfig:
     quantization: str | None = None
     """ "int8": the encoder's linear layers run int8 GEMMs (models/quantization.py); None: the
     model runs in `dtype` throughout."""
+    revision: str | None = None
+    """The Hub revision asked for (branch, tag or commit); None: the default branch."""
+    source: str = "local folder"
+    """Where the folder came from: "local folder", "Hugging Face cache", "Hub" or "package
+    <name>" (models/loader.py)."""
+    commit: str | None = None
+    """The Hub commit of the snapshot (from the cache or the Hub); None for a local folder or a
+    package."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or self.max_model_len < 1:

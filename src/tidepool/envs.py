@@ -134,3 +134,38 @@ def onednn_cache_capacity() -> int | str:
             f"TIDEPOOL_ONEDNN_CACHE_CAPACITY must be auto, torch or a count, got {value!r}"
         )
     return int(value)
+
+
+# Hugging Face Hub variables (huggingface_hub's own names). huggingface_hub reads them once, when
+# it is imported; tidepool reads them at each model lookup, so a change after import counts too.
+
+
+def hf_hub_offline() -> bool | None:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE): "1" / "true": a model id comes from a local
+    folder, the Hugging Face cache or a package, never from the Hub; None when neither is set."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    if value is None or value == "":
+        return None
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hf_endpoint() -> str | None:
+    """HF_ENDPOINT: the Hub's address (a mirror, a test server); None: huggingface_hub's."""
+    value = os.environ.get("HF_ENDPOINT")
+    return value.rstrip("/") if value else None
+
+
+def hf_token() -> str | None:
+    """HF_TOKEN: the Hub token when none is given (hf_token= / --hf-token); None: huggingface_hub
+    falls back to the token saved by `hf auth login`."""
+    return os.environ.get("HF_TOKEN") or None
+
+
+def hf_hub_cache() -> str | None:
+    """HF_HUB_CACHE (or HUGGINGFACE_HUB_CACHE), else $HF_HOME/hub: the Hugging Face cache;
+    None: huggingface_hub's default (~/.cache/huggingface/hub)."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return os.path.expanduser(explicit)
+    home = os.environ.get("HF_HOME")
+    return os.path.join(os.path.expanduser(home), "hub") if home else None

@@ -4,6 +4,7 @@ prompts and lower-casing). Needs only config.json and tokenizer files; no weight
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -50,6 +51,66 @@ def test_token_id_prompts_pass_through(bert):
     # A dict with both keys: the token ids win (no re-tokenization).
     [both] = bert.process([{"prompt": "ignored", "prompt_token_ids": ids}], _params(1))
     assert both.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        (
+            {"prompt": "hello world", "multi_modal_data": {"image": object()}},
+            r"multi_modal_data: images, audio and video are not supported yet",
+        ),
+        (
+            {"prompt_token_id": [101, 7592, 102]},
+            r"unknown key 'prompt_token_id' in the prompt dict \('prompt_token_id': did you mean "
+            r"'prompt_token_ids'\?\)",
+        ),
+        (
+            {"prompt": "hello", "lang": "en"},
+            r"unknown key 'lang' in the prompt dict; a dict prompt",
+        ),
+        ({"prompt": "hello", "cache_salt": "tenant-1"}, r"cache_salt is not supported"),
+        (
+            {"prompt_token_ids": [101, 102], "token_type_ids": [0, 0]},
+            r"token_type_ids in a prompt dict is not supported",
+        ),
+        ({"prompt_embeds": [[0.0]]}, r"prompt_embeds \(an EmbedsPrompt\) is not supported"),
+        (
+            {"prompt": "hello", "mm_processor_kwargs": {"fps": 1}},
+            r"mm_processor_kwargs applies to multi_modal_data",
+        ),
+    ],
+)
+def test_prompt_dict_keys_it_cannot_read_are_refused(bert, prompt, message):
+    """A key is never dropped: the text-only answer to a prompt with an image, or the answer to
+    a typo, would be a wrong answer. The other prompts of the batch go on."""
+    results = bert.process(["fine", prompt], _params(2))
+    assert isinstance(results[0], Request)
+    assert isinstance(results[1], RequestError)
+    assert results[1].index == 1
+    assert re.search(message, results[1].message), results[1].message
+
+
+def test_prompt_dict_keys_vllm_defines_pass_when_none(bert):
+    """vLLM's schemas allow None for the multi-modal options: the same as leaving them out."""
+    prompt = {"prompt": "hello world", "multi_modal_data": None, "mm_processor_kwargs": None}
+    [request] = bert.process([prompt], _params(1))
+    assert request.prompt_token_ids == bert.tokenizer("hello world")["input_ids"]
+
+
+def test_generate_and_score_refuse_unknown_keys_too(tiny_model_path, tiny_decoder_path):
+    from tidepool.params import SamplingParams
+
+    decoder = _processor(tiny_decoder_path("llama"))
+    [error] = decoder.process_generate(
+        [{"prompt": "hello", "multi_modal_data": {"image": None}}], [SamplingParams()], (2,)
+    )
+    assert isinstance(error, RequestError) and "multi_modal_data" in error.message
+    cross = _processor(tiny_model_path("bert-cross-encoder"))
+    [error] = cross.process_pairs([("q", {"content": [{"type": "image_url"}]})], _params(1))
+    assert isinstance(error, RequestError)
+    assert "the second text of the pair is a dict (keys ['content'])" in error.message
+    assert "multi-modal score inputs" in error.message
 
 
 def test_truncation_keeps_special_tokens_and_order(bert):
@@ -176,3 +237,16 @@ def test_left_truncation_keeps_the_last_tokens(bert, tiny_model_path):
         processor.tokenizer.truncation_side = "right"
     assert cut.prompt_token_ids == enc["input_ids"]
     assert cut.token_type_ids == enc["token_type_ids"]
+
+
+def test_offline_embed_refuses_multi_modal_data(tiny_llm):
+    """LLM.embed with vLLM's multi_modal_data: that prompt fails, naming the key; the text-only
+    embedding is never returned for it."""
+    from tidepool.outputs import BatchInputError
+
+    llm = tiny_llm("bert")
+    with pytest.raises(BatchInputError) as info:
+        llm.embed(["a tide pool", {"prompt": "a crab", "multi_modal_data": {"image": b""}}])
+    [error] = info.value.errors
+    assert error.index == 1 and "multi_modal_data" in error.message
+    assert info.value.outputs[1] is None and info.value.outputs[0] is not None

@@ -117,3 +117,53 @@ def test_quantize_per_token_rounds_like_torch_round() -> None:
     assert q.abs().max() == 127 and q.dtype == torch.int8
     zeros, zero_scale = quantize_per_token(torch.zeros(3, 384))
     assert not zeros.any() and (zero_scale > 0).all()
+
+
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("force_split", [False, True])
+def test_worst_case_inputs_sum_exactly(asym: bool, force_split: bool) -> None:
+    """Inputs and weights at full range (every uint8 input 255 or 0, every int8 input ±127,
+    weights ±127): the layer's GEMM equals the exact integer product on every CPU. Without VNNI
+    oneDNN's u8 · s8 pairs saturate in int16 (an AVX2-only AMD EPYC gave errors of 10⁵), and
+    the layer must take the split (2·h + l) path there; forced, the split is exact anywhere."""
+    torch.manual_seed(3)
+    k, n = 128, 48
+    weight_q = torch.where(torch.rand(n, k) < 0.5, 127, -127).to(torch.int8)
+    weight_q[:, :2] = 127  # pairs of equal sign: the saturating case
+    layer = Int8Linear(weight_q, torch.ones(n), None, None, asym=asym)
+    if force_split:
+        layer.split_input, layer._zero_point, layer._ops = True, True, None
+        layer.register_buffer("weight_sum", weight_q.sum(dim=1, dtype=torch.int64).float())
+    if asym or layer.split_input:
+        q = torch.where(torch.rand(5, k) < 0.7, 255, 0).to(torch.uint8)
+        q[:, :2] = 255
+        exact = q.int() @ weight_q.int().T
+    else:
+        q = torch.where(torch.rand(5, k) < 0.5, 127, -127).to(torch.int8)
+        q[:, :2] = 127
+        exact = q.int() @ weight_q.int().T
+    got = layer._gemm(q)
+    # Sums up to K · 255 · 127 = 4.1e6 < 2^24: exact in float32 (the split adds two exact parts).
+    assert torch.equal(got, exact.float())
+
+
+def test_layer_equals_the_integer_reference_on_full_range_inputs() -> None:
+    """End to end through quantize → GEMM → dequantize: the float32 output equals float64 math
+    on the layer's own integers (the quantizer's q and scales), on any CPU."""
+    torch.manual_seed(4)
+    k, n = 96, 64
+    weight_q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    weight_scale = torch.rand(n) * 0.01 + 0.001
+    bias = torch.randn(n)
+    x = torch.randn(7, k) * 3.0
+    for asym in (False, True):
+        layer = Int8Linear(weight_q, weight_scale, bias, None, asym=asym)
+        y = layer(x)
+        q, scale, scaled_zero = layer._quantized_input(x)
+        acc = q.double() @ weight_q.double().T
+        expected = scale.double() * acc * weight_scale.double() + bias.double()
+        if layer._zero_point:
+            expected -= scaled_zero.double() * (weight_scale.double() * weight_q.double().sum(1))
+        # float32 rounding of sums up to 96 · 255 · 127 and the epilogue's few operations.
+        tol = 16 * 2**-24 * float(expected.abs().max()) * k**0.5
+        assert float((y.double() - expected).abs().max()) <= tol

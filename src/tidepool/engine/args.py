@@ -4,7 +4,7 @@ flags) and the frozen EngineConfig they build."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -45,7 +45,16 @@ class EngineArgs:
     device: str | None = None
     """ "cpu", "cuda", "cuda:1"...; None: TIDEPOOL_DEVICE, else a GPU where there is one."""
     trust_remote_code: bool = False
-    """The transformers backend may run modeling code shipped in the model folder."""
+    """Run the model's own code (its *.py, fetched with the snapshot) on the transformers backend
+    or the fallback; without it such a model is refused."""
+    revision: str | None = None
+    """The Hub revision of a model id: a branch, tag or commit (default: the default branch)."""
+    download_dir: str | None = None
+    """The Hugging Face cache to look in and download to (default: HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    hf_token: str | bool | None = field(default=None, repr=False)
+    """The Hub token for private or gated models; True: the one saved by `hf auth login`
+    (default: HF_TOKEN, else that one)."""
     block_size: int = 16
     """Tokens per KV block (and per prefix-cache hash)."""
     enable_prefix_caching: bool = True
@@ -70,9 +79,11 @@ class EngineArgs:
     score_template: str | None = None
     """Decoder rerankers: the prompt of each (query, document) pair, with `{query}` and
     `{document}` (and `{instruction}`), a built-in name ("qwen3_reranker"), a file, or "none";
-    None: Qwen3-Reranker's own template when the model is one (engine/score_template.py)."""
+    None / "none": no template, the pair read as vLLM reads it (an LM reranker: the two texts
+    concatenated as given; engine/score_template.py)."""
     score_instruction: str | None = None
-    """The template's `{instruction}`; None: the built-in template's default."""
+    """The score template's `{instruction}` (needs `score_template`); None: the built-in's
+    default."""
     quantization: str | None = None
     """ "int8" (vLLM's argument name): int8 weights (per output channel) and activations (per
     token) in the linear layers of native encoders on CPU; None: none."""
@@ -95,6 +106,9 @@ class EngineArgs:
             model_impl=self.model_impl,
             hf_overrides=self.hf_overrides,
             quantization=self.quantization,
+            revision=self.revision,
+            download_dir=self.download_dir,
+            hf_token=self.hf_token,
         )
         template = resolve_score_template(
             self.score_template, self.score_instruction, model_config.hf_config

@@ -31,6 +31,7 @@ from tidepool.engine.prefix_tokenizer import (
     PrefixTokenizer,
     read_limit,
 )
+from tidepool.engine.prompt_dicts import prompt_dict_problem
 from tidepool.engine.prompts import check_prompt_name, is_query, prompt_text
 from tidepool.engine.score_template import ScoreTemplate, render_pairs
 from tidepool.engine.text_checks import unicode_problem
@@ -106,6 +107,8 @@ class InputProcessor:
     def _parse(self, prompt: Any) -> _Parsed | str:
         """A prompt → text or token ids; a string is the error message."""
         if isinstance(prompt, dict):
+            if problem := prompt_dict_problem(prompt):  # a key it cannot read is never dropped
+                return problem
             if "prompt_token_ids" in prompt:
                 return self._parse_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -394,6 +397,12 @@ class InputProcessor:
         return self._prefix_tokenizer.num_special_tokens(pair=True)
 
     def _pair_side_error(self, side: str, value: Any) -> str | None:
+        if isinstance(value, dict):
+            return (
+                f"the {side} text of the pair is a dict (keys {sorted(map(str, value))}); "
+                "expected a string (vLLM's multi-modal score inputs, {'content': [...]}, are not "
+                "supported yet)"
+            )
         if not isinstance(value, str):
             return f"the {side} text of the pair has type {_describe(value)}; expected a string"
         if value == "":

@@ -50,4 +50,19 @@ def check_task_supported(model_config: ModelConfig, task: str) -> None:
         model_config.task, f"a {model_config.task} model"
     )
     offers = f"it supports {', '.join(tasks)}" if tasks else "it serves no pooling task"
-    raise ValueError(f"{task}() needs {needs} ({model_config.architecture} is {kind}; {offers})")
+    hint = _GENERATOR_HINTS.get(task, "") if model_config.task == "generate" else ""
+    raise ValueError(
+        f"{task}() needs {needs} ({model_config.architecture} is {kind}; {offers}){hint}"
+    )
+
+
+_POOLING_RUNNER = '; load it with runner="pooling"'
+_GENERATOR_HINTS = {
+    "embed": f"{_POOLING_RUNNER} to embed with its last token's hidden state (LAST pooling)",
+    "token_embed": f"{_POOLING_RUNNER} for its hidden states",
+    "score": f'{_POOLING_RUNNER} to score by embeddings, or with convert="classify" (and '
+    'hf_overrides={"classifier_from_token": [...]} for a reranker that answers with tokens)',
+    "classify": f'{_POOLING_RUNNER}, convert="classify" (a checkpoint with score.weight, or '
+    'hf_overrides={"classifier_from_token": [...]})',
+}
+"""What a generating model (a *ForCausalLM loaded with runner="auto") needs for a pooling call."""

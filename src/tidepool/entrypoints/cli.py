@@ -1,4 +1,5 @@
-"""The `tidepool` command: `serve` (OpenAI-compatible server) and `embed` (batch jobs, demo).
+"""The `tidepool` command: `serve` (OpenAI-compatible server), `embed` (batch jobs, demo) and
+`download` (a Hub model into the Hugging Face cache, ahead of time).
 
 Flag names follow `vllm serve` so that scripts port by changing the program name.
 """
@@ -21,6 +22,7 @@ from tidepool.entrypoints.cli_args import (
     _port,
     _positive_float,
     _positive_int,
+    add_hub_args,
 )
 from tidepool.entrypoints.cli_parts import (
     HelpFormatter,
@@ -360,8 +362,12 @@ def cmd_embed_ray(args: argparse.Namespace, model: str, engine_kwargs: dict[str,
     from tidepool.jobs.ray_runner import run_ray_embed_job
 
     # A missing model or engine arguments that do not fit fail here, in one line (the CLI's
-    # exit status 2), not in every actor after the cluster has started.
-    build_engine_config(model, **engine_kwargs)
+    # exit status 2), not in every actor after the cluster has started. A Hub model is
+    # downloaded here once; every actor then loads the commit the driver saw (its node's cache,
+    # filled once per node: models/hub.py's lock).
+    commit = build_engine_config(model, **engine_kwargs).model.commit
+    if commit is not None:
+        engine_kwargs = {**engine_kwargs, "revision": commit}
     job = RayEmbedJob(
         input=str(args.input),
         output=str(args.output),
@@ -397,6 +403,45 @@ def cmd_embed_ray(args: argparse.Namespace, model: str, engine_kwargs: dict[str,
     return 0
 
 
+# ---------------------------------------------------------------------- download
+
+
+def _add_download_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "download",
+        formatter_class=HelpFormatter,
+        help="fetch a Hub model into the Hugging Face cache ahead of time",
+        description="Download the files of MODEL that tidepool loads (config, tokenizer, "
+        "safetensors, sentence-transformers modules; no ONNX / TF / Flax / duplicate .bin) into "
+        "the Hugging Face cache, and print the snapshot's folder. A later load finds it there, "
+        "also with HF_HUB_OFFLINE=1.",
+    )
+    parser.add_argument(
+        "model", metavar="MODEL", help="Hub model id, e.g. BAAI/bge-small-en-v1.5 (no default)"
+    )
+    add_hub_args(parser)
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="also fetch the model's own code (*.py), which trust_remote_code=True runs",
+    )
+    parser.set_defaults(func=cmd_download)
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from tidepool.models.loader import fetch_snapshot
+
+    location = fetch_snapshot(
+        args.model,
+        revision=args.revision,
+        download_dir=args.download_dir,
+        hf_token=args.hf_token,
+        trust_remote_code=args.trust_remote_code,
+    )
+    print(location.path)
+    return 0
+
+
 # ---------------------------------------------------------------------- main
 
 
@@ -408,19 +453,22 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(subparsers)
     _add_embed_parser(subparsers)
+    _add_download_parser(subparsers)
     add_example_models_parser(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from tidepool.models.hub import ModelAccessError
+
     args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
-        # A model that is not there or engine arguments that do not fit: the message is the
-        # whole story, a traceback would only bury it.
+    except (ValueError, FileNotFoundError, ModelAccessError) as e:
+        # A model that is not there (or gated, or its token refused) or engine arguments that do
+        # not fit: the message is the whole story, a traceback would only bury it.
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -83,6 +83,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow the model folder's own Python code (transformers' trust_remote_code)",
     )
+    add_hub_args(parser)
     parser.add_argument(
         "--hf-overrides",
         type=json.loads,
@@ -93,12 +94,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--score-template",
         default=None,
         help="LLM rerankers: the pair prompt with {query} and {document}, a file, or a built-in "
-        "(default: the model's own, if any)",
+        "(qwen3_reranker); default none: the pair as given (vLLM's concatenation)",
     )
     parser.add_argument(
         "--score-instruction",
         default=None,
-        help="the template's {instruction} (default: the built-in's)",
+        help="the score template's {instruction} (default: the built-in's)",
     )
     parser.add_argument(
         "--pooler-config",
@@ -112,6 +113,30 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
     for flag in _IGNORED_VLLM_SWITCHES:
         parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+
+
+def add_hub_args(parser: argparse.ArgumentParser) -> None:
+    """Where a model id comes from (EngineArgs' revision, download_dir, hf_token)."""
+    parser.add_argument(
+        "--revision",
+        default=None,
+        help="Hub revision of a model id: a branch, tag or commit (default: the default branch)",
+    )
+    parser.add_argument(
+        "--download-dir",
+        default=None,
+        help="Hugging Face cache to look in and download to (default: HF_HUB_CACHE, else "
+        "$HF_HOME/hub, else ~/.cache/huggingface/hub)",
+    )
+    parser.add_argument(
+        "--hf-token",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="TOKEN",
+        help="Hub token for private or gated models; alone: the one saved by `hf auth login` "
+        "(default: HF_TOKEN, else that one)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,6 +155,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "runner": args.runner,
         "convert": args.convert,
         "trust_remote_code": args.trust_remote_code,
+        "revision": args.revision,
+        "download_dir": args.download_dir,
+        "hf_token": args.hf_token,
         "hf_overrides": args.hf_overrides,
         "score_template": args.score_template,
         "score_instruction": args.score_instruction,

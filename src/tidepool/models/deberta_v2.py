@@ -7,7 +7,12 @@ attention with log-bucketed relative positions.
 r(i, j) = clamp(bucket(i - j) + span, 0, 2 span - 1) indexes the relative embeddings (one
 [2 span, hidden] table shared by all layers, LayerNorm'd when norm_rel_ebd says so); pk / pq are
 those embeddings through the layer's key / query projections (share_att_key) or its own pos_key_proj
-/ pos_query_proj; scale_factor is 1 + one per term in pos_att_type.
+/ pos_query_proj; scale_factor is 1 + one per term in pos_att_type (counted as transformers counts
+it: from the config, even when relative_attention is off and the terms are absent). bucket() is the
+identity without position_buckets, else exact within ±position_buckets / 2 and logarithmic out to
+max_relative_positions (-1: max_position_embeddings); span is position_buckets, else
+max_relative_positions. With conv_kernel_size (DeBERTa-v2 xlarge / xxlarge) a convolution over the
+embeddings joins the first layer's output (DebertaV2ConvLayer).
 
 The layers run on the padded layout (attention/metadata.pad_buckets): each bucket of similar lengths
 is a [num_seqs, L] block, and its attention is one SDPA call whose additive mask carries the two
@@ -116,7 +121,9 @@ class DisentangledSelfAttention(nn.Module):
                 self.pos_key_proj = Linear(config.hidden_size, inner)
             if "p2c" in self.pos_att_type:
                 self.pos_query_proj = Linear(config.hidden_size, inner)
-        scale_factor = 1 + len({"c2p", "p2c"} & set(self.pos_att_type))
+        # transformers scales by the config's pos_att_type even without relative attention (its
+        # terms are then absent): sqrt(D * 3) for ["c2p", "p2c"] all the same.
+        scale_factor = 1 + len({"c2p", "p2c"} & set(config.pos_att_type or []))
         self.scale = 1.0 / math.sqrt(self.head_dim * scale_factor)
 
     def _position_heads(self, rel: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -249,16 +256,63 @@ class DebertaV2Embeddings(nn.Module):
         return self.LayerNorm(x)
 
 
+class DebertaV2ConvLayer(nn.Module):
+    """DeBERTa-v2 xlarge / xxlarge's convolution after the first layer (conv_kernel_size > 0):
+    LayerNorm(layer_0_out + act(conv1d(embeddings))), the convolution running along each
+    sequence with zeros past its ends (transformers zeroes the padding's embeddings)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        kernel = int(config.conv_kernel_size)
+        if kernel % 2 == 0:
+            raise ValueError(
+                f"DeBERTa-v2 conv_kernel_size={kernel}: an even kernel changes the sequence "
+                "length (transformers cannot run it either); only odd kernels are supported"
+            )
+        hidden = config.hidden_size
+        groups = int(getattr(config, "conv_groups", 1) or 1)
+        self.conv = nn.Conv1d(hidden, hidden, kernel, padding=(kernel - 1) // 2, groups=groups)
+        self.act = get_activation(getattr(config, "conv_act", "tanh"))
+        self.LayerNorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+
+    def forward(
+        self, embeddings: torch.Tensor, x: torch.Tensor, meta: EncoderAttentionMetadata
+    ) -> torch.Tensor:
+        """embeddings, x (layer 0's output): [num_slots, hidden] on the padded layout."""
+        valid = _real_slots(meta, x.device).unsqueeze(-1)
+        source = embeddings * valid
+        out = torch.empty_like(x)
+        hidden = x.shape[-1]
+        for b in meta.buckets:
+            block = source[b.start : b.end].view(b.num_seqs, b.max_len, hidden).transpose(1, 2)
+            out[b.start : b.end] = self.conv(block).transpose(1, 2).reshape(-1, hidden)
+        return self.LayerNorm(x + self.act(out * valid))
+
+
+def _real_slots(meta: EncoderAttentionMetadata, device: torch.device) -> torch.Tensor:
+    """[num_slots] bool: the padded layout's slots that hold a token (bucket by bucket, each
+    sequence's first seq_len slots of its max_len row)."""
+    parts, first = [], 0
+    for b in meta.buckets:
+        lens = torch.tensor(meta.seq_lens[first : first + b.num_seqs], device=device)
+        first += b.num_seqs
+        parts.append((torch.arange(b.max_len, device=device) < lens[:, None]).reshape(-1))
+    return torch.cat(parts)
+
+
 class DebertaV2Encoder(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        if int(getattr(config, "conv_kernel_size", 0) or 0) > 0:
+        buckets = int(getattr(config, "position_buckets", -1))
+        if bool(getattr(config, "relative_attention", False)) and buckets == 1:
             raise ValueError(
-                "DeBERTa-v2 with a convolution layer (conv_kernel_size > 0) has no native "
-                'implementation; model_impl="fallback" runs it'
+                "DeBERTa-v2 position_buckets=1: half a bucket is 0 and the log-bucket positions "
+                "divide by it (transformers gives NaN); use 0 / -1 (no buckets) or >= 2"
             )
         self.config = config
         self.layer = nn.ModuleList(DebertaV2Layer(config) for _ in range(config.num_hidden_layers))
+        kernel = int(getattr(config, "conv_kernel_size", 0) or 0)
+        self.conv = DebertaV2ConvLayer(config) if kernel > 0 else None
         self.relative = bool(getattr(config, "relative_attention", False))
         if self.relative:
             span = relative_span(config)[2]
@@ -285,12 +339,18 @@ class DebertaV2Encoder(nn.Module):
             rel = self.rel_embeddings.weight[rows.first_row : rows.first_row + rows.num_rows]
             if self.LayerNorm is not None:
                 rel = self.LayerNorm(rel)
-        if first_slots is None:
-            for layer in self.layer:
-                x = layer(x, meta, rows, rel)
-            return x
-        for layer in self.layer[:-1]:
+        embeddings = x
+        last = len(self.layer) - 1 if first_slots is not None else len(self.layer)
+        if self.conv is not None and last == 0:  # the conv needs layer 0's every row
+            last = len(self.layer)
+        for i, layer in enumerate(self.layer[:last]):
             x = layer(x, meta, rows, rel)
+            if i == 0 and self.conv is not None:
+                x = self.conv(embeddings, x, meta)
+        if first_slots is None:
+            return x
+        if last == len(self.layer):
+            return x.index_select(0, first_slots)
         return self.layer[-1].forward_first_tokens(x, meta, rows, rel, first_slots)
 
 

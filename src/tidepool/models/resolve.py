@@ -12,6 +12,7 @@ frozen dataclasses.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,12 @@ import torch
 from tidepool import envs
 from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
 from tidepool.models.colbert import COLBERT_IR_ARCHITECTURES, load_multi_vector
-from tidepool.models.loader import load_sentence_transformers_meta, resolve_model_path
+from tidepool.models.loader import (
+    check_remote_code_config,
+    load_sentence_transformers_meta,
+    locate_model,
+)
+from tidepool.models.pooling_choice import declares_st_pooling, log_pooling, log_st_embedder
 from tidepool.models.quantization import check_quantization, check_quantization_target
 from tidepool.models.registry import (
     get_model_class,
@@ -46,6 +52,8 @@ _ROBERTA_LIKE = ("Roberta", "XLMRoberta", "Camembert", "MPNet")
 
 # Causal LMs whose body is not named <prefix>Model (Gemma3Model is the multimodal model).
 _CAUSAL_LM_BODIES = {"Gemma3ForCausalLM": "Gemma3TextModel"}
+
+logger = logging.getLogger("tidepool")
 
 
 @dataclass(frozen=True)
@@ -85,17 +93,29 @@ def build_model_config(
     model_impl: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
     quantization: str | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    hf_token: str | bool | None = None,
 ) -> ModelConfig:
-    """The ModelConfig of `model` (a folder or a model id found offline); raises ValueError for a
-    choice the model cannot run (a runner without a head, a dtype, a too long max_model_len).
-    `hf_overrides` (vLLM's name) replaces keys of config.json's config before anything reads it."""
+    """The ModelConfig of `model` (a folder, or a model id: cache, Hub or package, see
+    models/loader.py); raises ValueError for a choice the model cannot run (a runner without a
+    head, a dtype, a too long max_model_len). `hf_overrides` (vLLM's name) replaces keys of
+    config.json's config before anything reads it."""
     from transformers import AutoConfig
 
     if runner not in RUNNERS:
         raise ValueError(f"runner must be auto, pooling or generate, got {runner!r}")
     if convert not in CONVERTS:
         raise ValueError(f"convert must be auto, embed or classify, got {convert!r}")
-    path = resolve_model_path(model)
+    location = locate_model(
+        model,
+        revision=revision,
+        download_dir=download_dir,
+        hf_token=hf_token,
+        trust_remote_code=trust_remote_code,
+    )
+    path = location.path
+    check_remote_code_config(path, trust_remote_code)
     hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if hf_overrides:
         hf_config.update(dict(hf_overrides))  # top-level keys, as vLLM's dict form
@@ -108,6 +128,8 @@ def build_model_config(
         found := load_multi_vector(path, _checkpoint_architecture(hf_config), st)
     ):
         multi_vector, st = found
+    if resolved.task == "embed" and resolved.output_head == "task" and multi_vector is None:
+        log_pooling(resolved.architecture, resolved.model_impl, resolved.is_causal, st)
     torch_device = torch.device(device) if device else default_device()
     model_dtype = resolve_dtype(dtype, torch_device, _checkpoint_dtype(hf_config))
     check_quantization(quantization, resolved.architecture, resolved.model_impl)
@@ -131,6 +153,9 @@ def build_model_config(
         sparse=resolved.sparse,
         multi_vector=multi_vector,
         quantization=quantization,
+        revision=revision,
+        source=location.source,
+        commit=location.commit,
     )
     if resolved.fallback_on_forward_error:
         from tidepool.models.fallback import fallback_if_backend_fails
@@ -146,6 +171,10 @@ def resolve_model(
     that it can run the HF class (on the meta device: nothing allocated). With model_impl="auto"
     a pooling model the backend cannot run goes to the fallback (models/fallback.py)."""
     checkpoint_arch = _checkpoint_architecture(hf_config)
+    if runner == "auto" and checkpoint_arch.endswith("ForCausalLM") and declares_st_pooling(path):
+        # vLLM's rule (and sentence-transformers'): the folder is an embedder (Qwen3-Embedding).
+        runner = "pooling"
+        log_st_embedder(path, checkpoint_arch)
     task, arch = _resolve_task(checkpoint_arch, runner, convert, model_impl)
     head = _output_head(checkpoint_arch, task, arch, path, convert, model_impl)
     if head is not None:
@@ -406,7 +435,7 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _derived_max_model_len(
+def _position_max_model_len(
     hf_config: Any, resolved: ResolvedModel, st: SentenceTransformersMeta
 ) -> int:
     """The longest prompt the model's positions allow (and sentence-transformers' cap)."""
@@ -427,8 +456,22 @@ def _resolve_max_model_len(
     resolved: ResolvedModel,
     st: SentenceTransformersMeta,
 ) -> int:
-    derived = _derived_max_model_len(hf_config, resolved, st)
+    """max_model_len, or by default the positions' limit; for a plain (not sentence-transformers)
+    bidirectional encoder whose tokenizer says a shorter model_max_length, that length, where
+    sentence-transformers' SentenceTransformer / CrossEncoder truncate: longer texts are then
+    refused (or cut with truncate_prompt_tokens), never scored past the reference's length. An
+    explicit max_model_len may go up to the positions' limit."""
+    derived = _position_max_model_len(hf_config, resolved, st)
     if max_model_len is None:
+        cap = st.tokenizer_max_length
+        if not st.is_sentence_transformer and not resolved.is_causal and cap and cap < derived:
+            logger.info(
+                "max_model_len %d: the tokenizer's model_max_length (sentence-transformers "
+                "truncates there), below the %d positions; max_model_len= lifts it",
+                cap,
+                derived,
+            )
+            return cap
         return derived
     if max_model_len > derived:
         raise ValueError(

@@ -27,6 +27,7 @@ import inspect
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from torch import nn
 from tidepool.config import ModelConfig
 from tidepool.models.interfaces import attach_attention_backend
 from tidepool.models.layers.linear import Linear
-from tidepool.models.loader import iter_weights
+from tidepool.models.loader import iter_weights, remote_code_refusal
 from tidepool.models.transformers_attention import (
     ATTENTION_NAME,
     UnsupportedAttentionError,
@@ -101,11 +102,8 @@ def resolve_hf_class(
     auto_map = getattr(hf_config, "auto_map", None) or {}
     if not has_hf_class(architecture) and auto_key in auto_map:
         if not trust_remote_code:
-            raise ValueError(
-                f"{architecture} is not part of transformers: config.json maps {auto_key} to "
-                f"{auto_map[auto_key]!r}, code shipped in the model folder. Pass "
-                "trust_remote_code=True to run it (only for code you trust)."
-            )
+            entry = f"{auto_key} → {auto_map[auto_key]!r}"
+            raise ValueError(remote_code_refusal(architecture, Path(path), entry))
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
         return get_class_from_dynamic_module(auto_map[auto_key], str(path))

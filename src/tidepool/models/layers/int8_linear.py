@@ -18,6 +18,16 @@ which gives skewed inputs (a GELU's output) twice the resolution.
 Per-token scales keep each row's result independent of the other rows in the batch; and the
 integer accumulation is exact, so a text's vector does not depend on its neighbours at all.
 
+Where the CPU has no VNNI (AVX2-only CPUs, AVX-512 without VNNI), oneDNN multiplies u8 · s8
+with `vpmaddubsw`, which adds two products into a saturating int16: 2 · 255 · 127 > 2¹⁵ - 1, so
+8-bit inputs give wrong sums (measured on an AMD EPYC with AVX2 only: errors of 10⁵ in sums of
+4·10⁵; an int8 input is no better, oneDNN shifts it to u8 by 128). `onednn_int8_saturates()`
+probes oneDNN once with the worst case; where it saturates, the layer splits each uint8 input
+q = 2·h + l (h = q >> 1 in 0..127, l = q & 1) and runs two GEMMs that oneDNN sums exactly
+(2 · 127 · 127 < 2¹⁵): acc = 2·(h·Wᵀ) + l·Wᵀ, the same integers as one GEMM on a VNNI CPU.
+Symmetric inputs go in as q + 128 with the zero point 128. The numbers are then those of every
+other CPU (up to float32 rounding of the two partial sums); the cost is a second GEMM.
+
 Error bound (worst case, per output element; what tests/unit/test_int8_linear.py checks): with
 x = s_x·q + e, |e| <= s_x/2 and w = s_w·p + d, |d| <= s_w/2,
 
@@ -26,6 +36,7 @@ x = s_x·q + e, |e| <= s_x/2 and w = s_w·p + d, |d| <= s_w/2,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from functools import partial
 
@@ -54,6 +65,33 @@ _ROUNDING_SHIFT = torch.tensor(12582912.0)
 def int8_gemm_available() -> bool:
     """This torch has oneDNN's int8 linear (x86 CPUs)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+@functools.cache
+def onednn_int8_saturates() -> bool:
+    """Whether oneDNN's int8 GEMM saturates on 8-bit inputs on this CPU (no VNNI), probed once
+    with the worst case: every input 255, every weight ±127. Raises where even 7-bit inputs
+    (the split form's halves) come out wrong: int8 cannot run correctly here at all."""
+    if not int8_gemm_available():
+        return False
+    k, n = 64, 16
+    weight = torch.full((n, k), 127, dtype=torch.int8)
+    weight[1::2] = -127
+    packed = torch.ops.onednn.qlinear_prepack(weight, [2, k])
+
+    def exact(level: int) -> bool:
+        q = torch.full((2, k), level, dtype=torch.uint8)
+        got = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 0, packed, torch.ones(n), torch.zeros(n, dtype=torch.int64),
+            None, 1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        return torch.equal(got, (q.int() @ weight.int().T).float())
+
+    if exact(255):
+        return False
+    if not exact(127):
+        raise RuntimeError("oneDNN's int8 GEMM gives wrong sums on this CPU even on 7-bit inputs")
+    return True
 
 
 def quantize_per_token(
@@ -118,7 +156,19 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight_q.shape
         self.activation = activation
+        self._ops = int8_ops.load()
+        self._act_code = int8_ops.ACTIVATION_CODES.get(activation)
+        self._amx = None
+        if self._ops is not None and self._act_code is not None:
+            self._amx = _amx_for(self.out_features, self.in_features)
+        self.split_input = self._amx is None and onednn_int8_saturates()
+        """Each uint8 input runs as two 7-bit GEMMs (2·h + l), with the torch epilogue, where
+        oneDNN saturates on 8-bit inputs (a CPU without VNNI): see the module docstring."""
+        if self.split_input:
+            self._ops = None
         self.asym = asym
+        self._zero_point = asym or self.split_input
+        """The input carries a zero point: asymmetric, or symmetric shifted by 128 to uint8."""
         self._act = None
         if activation:
             self._act = _INPLACE_ACTIVATIONS.get(activation, get_activation(activation))
@@ -134,18 +184,13 @@ class Int8Linear(nn.Module):
         """W ≈ w_scale · (weight_q + weight_lo / WEIGHT_LO_FACTOR): ~15-bit weights."""
         # The zero-point correction: scale_n · Σ_k W_nk (exact integer sums, then scaled).
         wsum = None
-        if asym:
+        if self._zero_point:
             wsum = weight_q.sum(dim=1, dtype=torch.int64).double()
             if weight_lo is not None:
                 wsum += weight_lo.sum(dim=1, dtype=torch.int64).double() / WEIGHT_LO_FACTOR
             wsum = weight_scale * wsum.float()
         self.register_buffer("weight_sum", wsum, persistent=False)
-        self._ops = int8_ops.load()
-        self._act_code = int8_ops.ACTIVATION_CODES.get(activation)
         self._block_rows = max(256, _BLOCK_BYTES // (4 * self.out_features) // 64 * 64)
-        self._amx = None
-        if self._ops is not None and self._act_code is not None:
-            self._amx = _amx_for(self.out_features, self.in_features)
         self._tiles = self._tiles_lo = None
         self._packed = self._packed_lo = None
         if self._amx is not None:
@@ -206,12 +251,21 @@ class Int8Linear(nn.Module):
         if self.asym:
             return quantize_per_token_asym(x, self.input_smoothing)
         q, scale = quantize_per_token(x, self.input_smoothing)
+        if self.split_input:  # the same integers as uint8 with the zero point 128
+            return q.to(torch.int16).add_(128).to(torch.uint8), scale, scale * 128.0
         return q, scale, torch.zeros_like(scale)
 
     def _gemm(self, q: torch.Tensor) -> torch.Tensor:
         """q [T, K] int8 / uint8 → acc · w_scale [T, N] float32 (the activation scale 1 and no
         bias: the per-token scale and the bias follow in the epilogue); two-part weights add
-        the second GEMM's sums / WEIGHT_LO_FACTOR."""
+        the second GEMM's sums / WEIGHT_LO_FACTOR; split inputs add 2·(h·Wᵀ) + l·Wᵀ."""
+        if self.split_input:
+            low = self._gemm_exact(q.bitwise_and(1))
+            return low.add_(self._gemm_exact(q.bitwise_right_shift(1)), alpha=2.0)
+        return self._gemm_exact(q)
+
+    def _gemm_exact(self, q: torch.Tensor) -> torch.Tensor:
+        """One input through oneDNN (and the low weights' GEMM for two-part weights)."""
         y = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, 0, self._packed, self.weight_scale, self._weight_zero_points,
             None, 1.0, 0, torch.float32, "none", [], "",
@@ -328,7 +382,7 @@ class Int8Linear(nn.Module):
                 return self._fused(x, multiply, residual, None).view(*lead, self.out_features)
             return self._fused(x, multiply, residual, None)
         q, scale, scaled_zero = self._quantized_input(x)
-        y = self._dequantize(self._gemm(q), scale, scaled_zero if self.asym else None)
+        y = self._dequantize(self._gemm(q), scale, scaled_zero if self._zero_point else None)
         if self._act is not None:
             y = self._act(y)
         return combine(y.view(*lead, self.out_features), multiply, residual)
@@ -355,6 +409,8 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "uint8 asymmetric" if self.asym else "int8 symmetric"
+        if self.split_input:
+            kind = f"{kind}, split in two 7-bit GEMMs (no VNNI)"
         kernels = "amx" if self._amx is not None else "native" if self._ops is not None else "torch"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -35,8 +35,15 @@ _ONEDNN_POST_OPS: dict[str, tuple[str, str]] = {
 _PACK_BATCH_HINT = 4096
 
 
-def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def _onednn_available(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear runs this dtype here. Its bfloat16 kernels need AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT: on an AVX2-only CPU the weight reorder raises, so bfloat16 weights
+    keep F.linear there (aten's own bfloat16 GEMM)."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear(nn.Module):
@@ -63,7 +70,7 @@ class Linear(nn.Module):
         if (
             w.device.type == "cpu"
             and w.dtype in (torch.float32, torch.bfloat16)
-            and _onednn_available()
+            and _onednn_available(w.dtype)
             and (self.activation is None or self.activation in _ONEDNN_POST_OPS)
         ):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
