@@ -151,10 +151,14 @@ def kernel_paths() -> str:
     attention = f"tidepool kernel, {isa} build" if isa else "PyTorch SDPA"
     if isa and cpu_features.usable("amx"):
         attention += " (+ AMX-bf16 products for bfloat16 / int8)"
+    from tidepool.models.layers.int8_linear import int8_gemm_available, onednn_int8_saturates
+
     int8_isa = int8_ops.chosen_isa()
     amx = cpu_features.usable("amx") and envs.int8_gemm() == "auto"
     gemm = "tidepool AMX GEMM (K % 64, N % 32; else oneDNN)" if amx else "oneDNN int8 GEMM"
     epilogues = f"tidepool epilogues, {int8_isa} build" if int8_isa else "torch-op epilogues"
+    if not amx and int8_gemm_available() and onednn_int8_saturates():
+        gemm, epilogues = "oneDNN int8 GEMM as two 7-bit GEMMs (no VNNI)", "torch-op epilogues"
     return (
         f"encoder attention: {attention}; decoder ops: {isa or 'torch ops'}; "
         f"int8 linears: {gemm} + {epilogues}"

@@ -15,6 +15,7 @@ from tidepool.models.layers import int8_ops
 from tidepool.models.layers.int8_linear import (
     Int8Linear,
     int8_gemm_available,
+    onednn_int8_saturates,
     quantize_per_token_asym,
 )
 from tidepool.models.layers.linear import Linear
@@ -129,6 +130,13 @@ def test_bad_arguments_are_refused() -> None:
         _ops().dequant_(x, torch.ones(4), torch.ones(4), None, None, 0, *[None] * 7)
 
 
+layer_runs_kernels = pytest.mark.skipif(
+    not int8_gemm_available() or onednn_int8_saturates(),
+    reason="no VNNI: Int8Linear splits each input into two 7-bit GEMMs with the torch epilogue "
+    "(int8_linear.py), so the layer does not run these kernels here",
+)
+
+
 def _layer(in_features: int, out_features: int, activation: str | None, asym: bool) -> Int8Linear:
     torch.manual_seed(0)
     layer = Linear(in_features, out_features, activation=activation)
@@ -138,6 +146,7 @@ def _layer(in_features: int, out_features: int, activation: str | None, asym: bo
     return Int8Linear.from_linear(layer, asym=asym)
 
 
+@layer_runs_kernels
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("activation", [None, "gelu"])
 def test_layer_with_kernels_matches_the_layer_on_torch_ops(asym: bool, activation) -> None:
@@ -149,6 +158,7 @@ def test_layer_with_kernels_matches_the_layer_on_torch_ops(asym: bool, activatio
     assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-5)
 
 
+@layer_runs_kernels
 @pytest.mark.parametrize("asym", [False, True])
 def test_fused_layer_norm_matches_the_layer_then_the_norm(asym: bool) -> None:
     layer = _layer(96, 80, None, asym)
@@ -162,12 +172,14 @@ def test_fused_layer_norm_matches_the_layer_then_the_norm(asym: bool) -> None:
     )
 
 
+@layer_runs_kernels
 def test_asymmetric_layer_row_does_not_depend_on_its_neighbours() -> None:
     layer = _layer(96, 80, "gelu", asym=True)
     x = _rows(50, 96, 11)
     assert torch.equal(layer(x)[17:18], layer(x[17:18]))
 
 
+@layer_runs_kernels
 @pytest.mark.parametrize("asym", [False, True])
 def test_blocks_of_rows_give_the_same_rows(asym: bool) -> None:
     """The GEMM and epilogue run on blocks of rows (cache-sized); a row's result does not depend
