@@ -10,7 +10,15 @@ kernel's AMX-bf16 modes (cpu_kernels.MATMULS) to the rotation, each with its spe
 kernel's float32 products and its max abs difference to them.
 
     python benchmarks/cpu_attention.py [--dtype float32|bfloat16] [--threads 2] [--calls 25]
-        [--head-dim 64] [--matmul bf16,bf16x3]
+        [--head-dim 64] [--matmul bf16,bf16x3] [--isa avx2]
+
+Prints the CPU's instruction sets and which build of the kernel ran (cpu_features.py: the best
+the CPU has, or the one `--isa` caps it to, as TIDEPOOL_CPU_ISA does).
+
+`--e2e N`: end to end instead, all-MiniLM-L6-v2 `LLM.embed` over the corpus' first N texts, one
+LLM whose model's attention backend is switched between rounds (the kernel, then SDPA on the
+padded buckets) and sentence-transformers float32 (batch 32) as the peer, rounds alternating
+(kernel, SDPA, ST); prints tokens/s, the median per-round ratios and the cosine to ST.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from corpus import make_corpus  # noqa: E402
 
-from tidepool.attention import cpu_kernels, torch_backend  # noqa: E402
+from tidepool.attention import cpu_features, cpu_kernels, torch_backend  # noqa: E402
 from tidepool.attention.backend import CPU_KERNEL, CpuKernelBackend  # noqa: E402
 from tidepool.attention.metadata import build_encoder_metadata, pad_buckets  # noqa: E402
 
@@ -53,6 +61,55 @@ def step_lengths(num_tokens: int, max_len: int = 256) -> list[int]:
     return sorted(out, reverse=True)
 
 
+def end_to_end(num_texts: int, rounds: int) -> None:
+    """tidepool with the kernel vs tidepool with SDPA vs sentence-transformers, one process."""
+    from sentence_transformers import SentenceTransformer
+
+    from tidepool import LLM
+    from tidepool.attention.backend import BUCKETED_SDPA
+    from tidepool.models.loader import resolve_model_path
+
+    name = "sentence-transformers/all-MiniLM-L6-v2"
+    texts = make_corpus(num_texts)
+    llm = LLM(name, dtype="float32")
+    model = llm.llm_engine.core.model_runner.model
+    st = SentenceTransformer(str(resolve_model_path(name)), device="cpu")
+    tokens = sum(len(ids) for ids in llm.get_tokenizer()(texts, truncation=True)["input_ids"])
+
+    def embed() -> torch.Tensor:
+        outs = llm.embed(texts, truncate_prompt_tokens=-1, use_tqdm=False)
+        return torch.tensor([o.outputs.embedding for o in outs])
+
+    def with_backend(backend):
+        def run() -> torch.Tensor:
+            model.set_attention_backend(backend)
+            return embed()
+
+        return run
+
+    sides = {
+        "kernel": with_backend(CPU_KERNEL),
+        "sdpa": with_backend(BUCKETED_SDPA),
+        "st": lambda: st.encode(texts, batch_size=32, convert_to_tensor=True).float(),
+    }
+    outputs = {name: fn() for name, fn in sides.items()}  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    print(f"{num_texts} texts, {tokens} tokens, {torch.get_num_threads()} threads, {rounds} rounds")
+    for name, ts in times.items():
+        cos = torch.nn.functional.cosine_similarity(outputs[name], outputs["st"]).min().item()
+        print(
+            f"  {name:6s} {tokens / statistics.median(ts):8.0f} tokens/s  cos min vs ST {cos:.6f}"
+        )
+    for a, b in (("kernel", "sdpa"), ("kernel", "st"), ("sdpa", "st")):
+        ratio = statistics.median(y / x for x, y in zip(times[a], times[b], strict=True))
+        print(f"  {a} / {b} (median of per-round ratios): {ratio:.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -62,12 +119,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--calls", type=int, default=25)
     parser.add_argument("--matmul", default="", help="AMX modes to add: bf16,bf16x3")
+    parser.add_argument("--isa", default=None, help="cap the kernel's build (TIDEPOOL_CPU_ISA)")
+    parser.add_argument("--e2e", type=int, default=0, help="end to end over this many texts")
+    parser.add_argument("--rounds", type=int, default=5, help="--e2e rounds")
     args = parser.parse_args()
+    if args.isa:
+        os.environ["TIDEPOOL_CPU_ISA"] = args.isa
+        cpu_features.reset()
+    print(f"CPU: {cpu_features.describe()}; kernel build: {cpu_kernels.chosen_isa()}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.e2e:
+        end_to_end(args.e2e, args.rounds)
+        return
     dtype = getattr(torch, args.dtype)
     if not cpu_kernels.supports(torch.device("cpu"), dtype, args.head_dim):
-        sys.exit("the CPU kernel is not available here (needs AVX-512 and a C++ compiler)")
+        sys.exit("the CPU kernel is not available here (needs AVX2 + FMA and a C++ compiler)")
     lens = step_lengths(args.tokens)
     torch.manual_seed(0)
     qkv = torch.randn(sum(lens), 3, args.heads, args.head_dim).to(dtype)

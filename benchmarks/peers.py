@@ -122,19 +122,47 @@ def vllm_preload(vllm_python: str) -> str:
 
 
 def cpu_flags() -> str:
-    """The flags that decide which GEMM paths exist (VNNI: int8; AVX512-BF16 / AMX: bf16)."""
+    """The CPU's model and the instruction sets that decide the kernel and GEMM paths
+    (tidepool's attention/cpu_features.py: AVX2 / AVX-512 builds; VNNI: int8; AVX512-BF16 /
+    AMX: bf16), with TIDEPOOL_CPU_ISA's cap when set."""
     try:
-        line = next(
-            x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")
-        )
-        model = next(
-            x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        return "unknown"
-    flags = set(line.split(":", 1)[1].split())
-    have = " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
-    return f"{model.split(':', 1)[1].strip()}, {os.cpu_count()} cores; {have}"
+        from tidepool.attention import cpu_features
+    except ImportError:  # a tidepool without the module: the flags alone
+        flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+        have = " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
+        return f"{os.cpu_count()} cores; {have}"
+    return f"{cpu_features.describe()}; {os.cpu_count()} cores"
+
+
+def kernel_paths() -> str:
+    """Which of tidepool's CPU kernels its workers take on this machine (the same environment:
+    the choice is the CPU's and TIDEPOOL_CPU_ISA's / TIDEPOOL_CPU_ATTENTION's / TIDEPOOL_INT8_GEMM's,
+    made the same way in every process): the encoders' attention, the decoders' element-wise
+    kernels, and the int8 linears' GEMM and epilogues. Nothing is built here."""
+    try:
+        from tidepool import envs
+        from tidepool.attention import cpu_features, cpu_kernels
+        from tidepool.models.layers import int8_ops
+    except ImportError as e:
+        return f"unknown ({e})"
+    if envs.cpu_attention() == "sdpa":
+        return "TIDEPOOL_CPU_ATTENTION=sdpa: attention PyTorch SDPA, no tidepool kernels"
+    isa = cpu_kernels.chosen_isa()
+    attention = f"tidepool kernel, {isa} build" if isa else "PyTorch SDPA"
+    if isa and cpu_features.usable("amx"):
+        attention += " (+ AMX-bf16 products for bfloat16 / int8)"
+    from tidepool.models.layers.int8_linear import int8_gemm_available, onednn_int8_saturates
+
+    int8_isa = int8_ops.chosen_isa()
+    amx = cpu_features.usable("amx") and envs.int8_gemm() == "auto"
+    gemm = "tidepool AMX GEMM (K % 64, N % 32; else oneDNN)" if amx else "oneDNN int8 GEMM"
+    epilogues = f"tidepool epilogues, {int8_isa} build" if int8_isa else "torch-op epilogues"
+    if not amx and int8_gemm_available() and onednn_int8_saturates():
+        gemm, epilogues = "oneDNN int8 GEMM as two 7-bit GEMMs (no VNNI)", "torch-op epilogues"
+    return (
+        f"encoder attention: {attention}; decoder ops: {isa or 'torch ops'}; "
+        f"int8 linears: {gemm} + {epilogues}"
+    )
 
 
 # ---------------------------------------------------------------------------------------- inputs
@@ -648,7 +676,9 @@ def main() -> None:
     driver.results["cpu"] = cpu_flags()
     driver.results["load"] = f"{os.getloadavg()[0]:.1f}"
     print(f"work dir {workdir}; python {args.python}; OpenVINO / ONNX python {args.ov_python}")
+    driver.results["kernels"] = kernel_paths()
     print(f"vLLM python {args.vllm_python}; CPU: {driver.results['cpu']}")
+    print(f"tidepool's kernels here: {driver.results['kernels']}")
     if args.vllm_python:
         print(f"vLLM env {VLLM_ENV} LD_PRELOAD={driver.vllm_preload()!r}")
     import torch

@@ -34,11 +34,27 @@ def cache_dir() -> str:
 
 def cpu_attention() -> str:
     """TIDEPOOL_CPU_ATTENTION: the encoders' attention kernel on CPU. "auto" (default): tidepool's
-    own AVX-512 kernel where the CPU has AVX-512 and it builds, else PyTorch's SDPA; "native": the
+    own kernel (its AVX-512 or AVX2 build, cpu_isa) where the CPU has one and it builds, else
+    PyTorch's SDPA; "native": the
     own kernel or an error saying why not; "sdpa": always PyTorch's SDPA."""
     value = (os.environ.get("TIDEPOOL_CPU_ATTENTION") or "auto").lower()
     if value not in ("auto", "native", "sdpa"):
         raise ValueError(f"TIDEPOOL_CPU_ATTENTION must be auto, native or sdpa, got {value!r}")
+    return value
+
+
+CPU_ISAS = ("auto", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "avx512_bf16", "amx")
+"""TIDEPOOL_CPU_ISA's values: "auto" and attention/cpu_features.py's LEVELS, ascending."""
+
+
+def cpu_isa() -> str:
+    """TIDEPOOL_CPU_ISA: the highest instruction-set level tidepool's CPU kernels may use, as
+    oneDNN's ONEDNN_MAX_CPU_ISA caps oneDNN's (attention/cpu_features.py): "avx2" runs the AVX2
+    builds on an AVX-512 CPU, "avx512" keeps the AMX paths off. "auto" (default): no cap. A cap
+    above what the CPU has changes nothing; torch's own oneDNN is not capped by it."""
+    value = (os.environ.get("TIDEPOOL_CPU_ISA") or "auto").lower()
+    if value not in CPU_ISAS:
+        raise ValueError(f"TIDEPOOL_CPU_ISA must be one of {', '.join(CPU_ISAS)}, got {value!r}")
     return value
 
 

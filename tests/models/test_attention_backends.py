@@ -10,7 +10,7 @@ import torch
 from conftest import copy_bert_tokenizer
 
 from tidepool import LLM, PoolingParams, SamplingParams
-from tidepool.attention import backend, cpu_kernels
+from tidepool.attention import backend, cpu_features, cpu_kernels
 from tidepool.attention.backend import (
     BUCKETED_SDPA,
     CPU_KERNEL,
@@ -39,15 +39,22 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # ----------------------------------------------------------------------------- selection
 
 
+AVX512_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
+
+
 @pytest.fixture
 def kernel_machine(monkeypatch):
     """A machine where the CPU kernel would build (AVX-512, a compiler), without building it:
     the selection logic alone, independent of this machine."""
     monkeypatch.setattr(cpu_kernels, "_state", {})
-    monkeypatch.setattr(cpu_kernels, "_cpu_has_avx512", lambda: (True, ""))
-    monkeypatch.setattr(cpu_kernels, "_compile", lambda: "the op")
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: AVX512_FLAGS)
+    monkeypatch.setattr(cpu_kernels, "_compile", lambda isa: f"the {isa} op")
     monkeypatch.delenv("TIDEPOOL_CPU_ATTENTION", raising=False)
-    return monkeypatch
+    monkeypatch.delenv("TIDEPOOL_CPU_ISA", raising=False)
+    cpu_features.reset()
+    yield monkeypatch
+    monkeypatch.undo()
+    cpu_features.reset()
 
 
 @pytest.mark.parametrize(
@@ -77,21 +84,27 @@ def test_registry_picks_the_expected_encoder_backend(
     assert select_encoder_backend(spec) is expected
 
 
-def test_without_avx512_or_a_compiler_encoders_keep_sdpa(kernel_machine):
+def test_an_avx2_cpu_takes_the_avx2_build(kernel_machine):
+    kernel_machine.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert select_encoder_backend(AttentionSpec(CPU, F32, 32, 512)) is CPU_KERNEL
+    assert cpu_kernels.load() == "the avx2 op"
+
+
+def test_without_avx2_or_a_compiler_encoders_keep_sdpa(kernel_machine):
     spec = AttentionSpec(CPU, F32, 32, 512)
-    kernel_machine.setattr(cpu_kernels, "_cpu_has_avx512", lambda: (False, "the CPU lacks avx512f"))
+    kernel_machine.setattr(cpu_features, "cpu_flags", lambda: frozenset({"sse4_2"}))
     assert select_encoder_backend(spec) is BUCKETED_SDPA
     kernel_machine.setattr(cpu_kernels, "_state", {})
     kernel_machine.setenv("TIDEPOOL_CPU_ATTENTION", "native")
-    with pytest.raises(RuntimeError, match="TIDEPOOL_CPU_ATTENTION=native.*avx512f"):
+    with pytest.raises(RuntimeError, match="TIDEPOOL_CPU_ATTENTION=native.*lacks avx2"):
         select_encoder_backend(spec)
 
     def no_compiler():
         raise FileNotFoundError("c++")
 
     kernel_machine.setattr(cpu_kernels, "_state", {})
-    kernel_machine.setattr(cpu_kernels, "_cpu_has_avx512", lambda: (True, ""))
-    kernel_machine.setattr(cpu_kernels, "_compile", no_compiler)
+    kernel_machine.setattr(cpu_features, "cpu_flags", lambda: AVX512_FLAGS)
+    kernel_machine.setattr(cpu_kernels, "_compile", lambda isa: no_compiler())
     kernel_machine.setenv("TIDEPOOL_CPU_ATTENTION", "auto")
     assert select_encoder_backend(spec) is BUCKETED_SDPA
 

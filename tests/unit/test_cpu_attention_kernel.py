@@ -12,26 +12,18 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_isa import build_fixture
 
-from tidepool.attention import cpu_kernels
+from tidepool.attention import cpu_features, cpu_kernels
 
-
-def _has_avx512() -> bool:
-    try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-requires_kernel = pytest.mark.skipif(
-    not cpu_kernels.supports(torch.device("cpu"), torch.float32, 32),
-    reason="the CPU kernel needs x86-64 with AVX-512 and a C++ compiler to build it",
-)
+kernel_isa = build_fixture(cpu_kernels.BUILD_ISAS, cpu_kernels.load_isa, "the kernel")
+"""Each test that uses the kernel runs once per build the CPU can run (on AVX-512 CPUs the AVX2
+build runs as well)."""
+requires_kernel = pytest.mark.usefixtures("kernel_isa")
 
 # Lengths around the kernel's tiles (8 query rows, 32 keys) and vector width (16), and long ones.
 SEQ_LENS = [300, 129, 64, 33, 32, 31, 17, 16, 15, 9, 8, 7, 2, 1]
@@ -194,10 +186,16 @@ def test_encoder_on_the_kernel_matches_the_sdpa_path(dtype, atol, tmp_path):
 
 
 @pytest.mark.skipif(
-    not (_has_avx512() and shutil.which(os.environ.get("CXX", "c++"))),
-    reason="only where the kernel can run: x86-64 with AVX-512 and a C++ compiler",
+    not any(cpu_features.cpu_has(isa) for isa in cpu_kernels.BUILD_ISAS)
+    or not shutil.which(os.environ.get("CXX", "c++")),
+    reason="only where a build can run: x86-64 with AVX2 + FMA or AVX-512, and a C++ compiler",
 )
-def test_the_kernel_is_on_by_default_where_it_can_run():
+def test_the_kernel_is_on_by_default_where_it_can_run(monkeypatch):
+    """Without a cap the best build runs: AVX-512 where the CPU has it, else AVX2 (+ FMA)."""
+    monkeypatch.delenv("TIDEPOOL_CPU_ISA", raising=False)
+    cpu_features.reset()
+    expected = "avx512" if cpu_features.cpu_has("avx512") else "avx2"
+    assert cpu_kernels.chosen_isa() == expected
     assert cpu_kernels.supports(torch.device("cpu"), torch.float32, 32)
     assert cpu_kernels.supports(torch.device("cpu"), torch.bfloat16, 64)
     assert not cpu_kernels.supports(torch.device("cpu"), torch.float16, 32)

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_isa import build_fixture
 
-from tidepool.attention import cpu_decoder_ops
+from tidepool.attention import cpu_decoder_ops, cpu_kernels
 from tidepool.attention.backend import PAGED_SDPA
 from tidepool.attention.paged import write_kv
 from tidepool.attention.paged_metadata import build_group_metadata, plan_buckets, split_rows
 from tidepool.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from tidepool.models.layers.rotary import apply_rotary
 
-needs_kernels = pytest.mark.skipif(
-    cpu_decoder_ops.load() is None, reason="the CPU decoder kernels are not built here"
-)
+decoder_isa = build_fixture(cpu_kernels.BUILD_ISAS, cpu_decoder_ops.load, "the CPU decoder kernels")
+"""Each kernel test runs once per build (AVX-512, AVX2 + FMA) the CPU can run."""
+needs_kernels = pytest.mark.usefixtures("decoder_isa")
 
 
 def _torch_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,6 +31,26 @@ def test_rms_norm_matches_torch():
     weight = torch.randn(96, generator=g)
     out = cpu_decoder_ops.rms_norm(x, weight, 1e-6)
     torch.testing.assert_close(out, _torch_rms(x, weight, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 31, 33, 700])
+def test_rms_norm_within_its_float32_bound_of_float64(rows):
+    """Against float64 on the same inputs: the sum of H squares in float32 is within
+    (H + 1)·u relative (u = 2^-24, any summation order), 1 / sqrt of it within half that plus
+    2u, the two products 2u more: |out - ref| <= ((H + 1) / 2 + 5)·u·|ref|. Rows are
+    independent: each row alone gives the same bits as in the batch."""
+    g = torch.Generator().manual_seed(4)
+    hidden = 200  # not a multiple of either ISA's vector width
+    x = torch.randn(rows, hidden, generator=g) * 3
+    weight = torch.randn(hidden, generator=g)
+    out = cpu_decoder_ops.rms_norm(x, weight, 1e-6)
+    ref = _torch_rms(x.double(), weight.double(), 1e-6)
+    bound = ((hidden + 1) / 2 + 5) * 2.0**-24 * ref.abs()
+    assert ((out.double() - ref).abs() <= bound).all()
+    assert (out.double() - ref).abs().max() > 0 or rows == 1  # float32, not a float64 copy
+    for r in sorted({0, rows // 2, rows - 1}):
+        assert torch.equal(cpu_decoder_ops.rms_norm(x[r : r + 1], weight, 1e-6), out[r : r + 1])
 
 
 @needs_kernels

@@ -8,7 +8,9 @@ took ~15% of a pass (RoPE's broadcast multiplies over strided halves, the norm's
 strided heads, index_put for the cache); figures in docs/performance.md, "Decoder pooling".
 Built on first use with torch's C++ extension loader like attention/cpu_kernels.py (named by the
 source's hash, cached under TORCH_EXTENSIONS_DIR); where the build fails or the CPU has no
-AVX-512, `load()` says why once and returns None, and the callers keep their torch ops.
+AVX2 (the build is the best of AVX-512 / AVX2 + FMA the CPU and TIDEPOOL_CPU_ISA allow:
+plain loops the compiler vectorises for the build's ISA), `load()` says why once and returns
+None, and the callers keep their torch ops.
 TIDEPOOL_CPU_ATTENTION=sdpa turns these kernels off too (one switch for tidepool's hand-written
 CPU code), =native makes a failure an error.
 """
@@ -21,36 +23,38 @@ from pathlib import Path
 
 import torch
 
-from tidepool.attention import cpu_kernels
+from tidepool.attention import cpu_features, cpu_kernels
 
 logger = logging.getLogger("tidepool")
 
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_decoder_ops.cpp"
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512vl", "-mfma", "-std=c++17", "-fopenmp"]
+_NAMESPACE = "tidepool_decoder"
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str | None, object] = {}
 
 
-def _compile() -> object:
-    cpu_kernels.build_extension(_SOURCE, "tidepool_decoder_ops", _CFLAGS)
-    return torch.ops.tidepool_decoder
+def _compile(isa: str) -> object:
+    flags = cpu_kernels.isa_cflags(isa, _NAMESPACE)
+    cpu_kernels.build_extension(_SOURCE, f"tidepool_decoder_ops_{isa}", flags)
+    return getattr(torch.ops, cpu_kernels.namespace(_NAMESPACE, isa))
 
 
-def _build() -> object | None:
-    return cpu_kernels.build_or_fall_back(
-        _compile, _SOURCE.name, "tidepool's CPU decoder kernels", "torch ops"
-    )
-
-
-def load() -> object | None:
-    """The `tidepool_decoder` op namespace, built and loaded on first call; None where it
+def load(isa: str | None = None) -> object | None:
+    """The op namespace of the chosen build (cpu_kernels.chosen_isa: the best the CPU and
+    TIDEPOOL_CPU_ISA allow) or of `isa`'s (tests), built and loaded on first call; None where it
     cannot run."""
-    if "ops" not in _state:
+    if isa is None:
+        isa = cpu_kernels.chosen_isa()
+    elif not cpu_features.cpu_has(isa):
+        isa = None
+    if isa not in _state:
         with _lock:
-            if "ops" not in _state:
-                _state["ops"] = _build()
-    return _state["ops"]
+            if isa not in _state:
+                _state[isa] = cpu_kernels.build_or_fall_back(
+                    _compile, _SOURCE.name, "tidepool's CPU decoder kernels", "torch ops", isa
+                )
+    return _state[isa]
 
 
 def usable(tensor: torch.Tensor) -> bool:
@@ -67,14 +71,14 @@ def write_kv(
     ops = load() if kv_cache.device.type == "cpu" else None
     if ops is None:
         return False
-    torch.ops.tidepool_decoder.write_kv(kv_cache, key, value, slot_mapping)
+    ops.write_kv(kv_cache, key, value, slot_mapping)
     return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] (rows contiguous) → x / rms(x) * weight, [T, H] contiguous."""
     out = torch.empty(x.shape, dtype=x.dtype)
-    torch.ops.tidepool_decoder.rms_norm(x, weight, eps, out)
+    load().rms_norm(x, weight, eps, out)
     return out
 
 
@@ -90,4 +94,4 @@ def qk_norm_rope_(
     """In place on qk [T, Hq + Hk, D] (q heads, then k heads; a view of the QKV output): each
     head RMSNorm-ed (when its weight is given) and rotated; cos / sin [T, rotary_dim // 2]
     float32. In place: a fresh [T, heads, D] output costs page faults at thousands of tokens."""
-    torch.ops.tidepool_decoder.qk_norm_rope_(qk, num_q_heads, q_weight, k_weight, eps, cos, sin)
+    load().qk_norm_rope_(qk, num_q_heads, q_weight, k_weight, eps, cos, sin)

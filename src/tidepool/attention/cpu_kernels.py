@@ -2,7 +2,7 @@
 
 `encoder_attention` (csrc/cpu_encoder_attention.cpp) is bidirectional attention over packed,
 variable-length sequences: no padding, no mask, each (sequence, head) one task for a thread,
-AVX-512 in float32 with float32 or bfloat16 inputs, head_dim 32, 64 or 128, with an optional
+float32 arithmetic on float32 or bfloat16 inputs, head_dim 32, 64 or 128, with an optional
 relative position bias read per head by key - query distance (MPNet), and optional key counts
 per sequence (keys are a sequence's first key_lens[i] tokens, queries all of them: ColBERT
 queries whose [MASK] expansion is not attended to). Its two products (scores Q·Kᵀ and P·V) run
@@ -15,9 +15,13 @@ tiny GEMMs (25-60 GFLOP/s here; figures in docs/performance.md). Written by hand
 no maintained library offers varlen encoder attention for CPU (vLLM's CPU kernels are part of
 vLLM, not a library).
 
-The build takes ~10 s once per machine (torch caches it under TORCH_EXTENSIONS_DIR, by default
+One source, built per ISA (BUILD_ISAS; csrc/cpu_simd.h): AVX-512 (16 lanes, and the AMX-bf16
+products where the CPU has them) or AVX2 + FMA (8 lanes; laptops, older servers, AMD Zen 2 / 3).
+The build run is chosen once, at load, by cpu_features.py: the best the CPU has, capped by
+TIDEPOOL_CPU_ISA (=avx2 runs the AVX2 build on an AVX-512 machine). Each build takes ~10-40 s
+once per machine (torch caches it under TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions); it needs a C++ compiler and ninja (the `ninja` package is a
-dependency). Where the CPU has no AVX-512 or the build fails, `load()` says why once and returns
+dependency). Where the CPU has neither ISA or the build fails, `load()` says why once and returns
 None, and the encoders keep PyTorch's SDPA. TIDEPOOL_CPU_ATTENTION=sdpa turns the kernel off,
 =native makes a failure an error (envs.cpu_attention).
 """
@@ -27,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import threading
 from pathlib import Path
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 
 from tidepool import envs
+from tidepool.attention import cpu_features
 from tidepool.attention.relative_bias import RelativePositionBias
 
 logger = logging.getLogger("tidepool")
@@ -48,35 +52,34 @@ MAX_SEQ_LEN = 2048
 _DTYPES = (torch.float32, torch.bfloat16)
 MATMULS = {"float32": 0, "bf16": 1, "bf16x3": 2}
 """The kernel's product modes → the op's `matmul` code (csrc/cpu_encoder_attention.cpp)."""
-# tidepool's sources are compiled for AVX-512 (F/BW/DQ/VL); build_or_fall_back runs them only
-# where the CPU has them.
-AVX512_CFLAGS = [
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512dq",
-    "-mavx512vl",
-    "-mfma",
-    "-std=c++17",
-    "-fopenmp",
-]
-_CFLAGS = [*AVX512_CFLAGS, f"-DTIDEPOOL_MAX_SEQ_LEN={MAX_SEQ_LEN}"]
+BUILD_ISAS = ("avx512", "avx2")
+"""The ISA levels (cpu_features.LEVELS) tidepool's vector kernels are built for, best first:
+csrc/cpu_simd.h's TP_ISA_AVX512 and TP_ISA_AVX2."""
+ISA_CFLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-DTP_ISA_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-DTP_ISA_AVX2"],
+}
+"""Each build's ISA flags; every build also gets BASE_CFLAGS."""
+BASE_CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+AVX512_CFLAGS = [*BASE_CFLAGS, *ISA_CFLAGS["avx512"]]
+"""The AVX-512 build's flags (the AMX int8 GEMM adds its own to these)."""
+_NAMESPACE = "tidepool_cpu"
+
+
+def namespace(base: str, isa: str) -> str:
+    """The op namespace of one ISA's build of a source: `base` for AVX-512 (the names the
+    kernels always had), `base`_`isa` for the others, so that a process (the tests) can load
+    several builds of one source side by side."""
+    return base if isa == "avx512" else f"{base}_{isa}"
+
+
+def isa_cflags(isa: str, base_namespace: str) -> list[str]:
+    """The flags of `isa`'s build of a source whose op namespace is `base_namespace`."""
+    return [*BASE_CFLAGS, *ISA_CFLAGS[isa], f"-DTP_NS={namespace(base_namespace, isa)}"]
+
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def _cpu_has_avx512() -> tuple[bool, str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False, f"the CPU is {platform.machine()}, not x86-64"
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False, "cannot read /proc/cpuinfo to check for AVX-512"
-    missing = [f for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl") if f not in flags]
-    if missing:
-        return False, f"the CPU lacks {', '.join(missing)}"
-    return True, ""
 
 
 def _put_ninja_on_path() -> None:
@@ -115,51 +118,75 @@ def build_extension(source: Path, prefix: str, cflags: list[str]) -> None:
     )
 
 
-def _compile() -> object:
-    build_extension(_SOURCE, "tidepool_cpu_ops", _CFLAGS)
-    return torch.ops.tidepool_cpu.encoder_attention
+def _compile(isa: str) -> object:
+    flags = [*isa_cflags(isa, _NAMESPACE), f"-DTIDEPOOL_MAX_SEQ_LEN={MAX_SEQ_LEN}"]
+    build_extension(_SOURCE, f"tidepool_cpu_ops_{isa}", flags)
+    return getattr(torch.ops, namespace(_NAMESPACE, isa))
 
 
-def build_or_fall_back(compile_fn, source_name: str, what: str, fallback: str) -> object | None:
-    """`compile_fn()` where TIDEPOOL_CPU_ATTENTION allows it and the CPU has AVX-512, else None
-    with one warning line (`what` is off, `fallback` runs instead); `=native` makes a failed
-    build an error. Shared by the encoder attention kernel and the decoder kernels."""
+def build_or_fall_back(
+    compile_fn, source_name: str, what: str, fallback: str, isa: str | None
+) -> object | None:
+    """`compile_fn(isa)` where TIDEPOOL_CPU_ATTENTION allows it and `isa` (a build, chosen by
+    the caller with cpu_features.best) is not None, else None with one warning line (`what` is
+    off, `fallback` runs instead); `=native` makes a failed build an error. Shared by the
+    encoder attention kernel, the decoder kernels and the int8 kernels."""
     mode = envs.cpu_attention()
     if mode == "sdpa":
         return None
-    ok, why = _cpu_has_avx512()
-    if ok:
+    why = cpu_features.why_not(BUILD_ISAS[-1]) if isa is None else ""
+    if isa is not None:
         try:
-            return compile_fn()
+            return compile_fn(isa)
         except Exception as e:  # a missing compiler / ninja, a failed build
-            why = f"building {source_name} failed: {type(e).__name__}: {e}"
+            why = f"building {source_name} for {isa} failed: {type(e).__name__}: {e}"
     if mode == "native":
         raise RuntimeError(f"TIDEPOOL_CPU_ATTENTION=native, but {what} is unusable: {why}")
     logger.warning("%s is off (%s); using %s", what, why, fallback)
     return None
 
 
-def _build() -> object | None:
-    return build_or_fall_back(
-        _compile, _SOURCE.name, "tidepool's CPU attention kernel", "PyTorch SDPA"
-    )
+def load_isa(isa: str) -> object | None:
+    """The op namespace of `isa`'s build (BUILD_ISAS), built and loaded on first call, whatever
+    TIDEPOOL_CPU_ISA says (tests run each build the CPU can); None where it cannot run."""
+    if isa not in _state:
+        with _lock:
+            if isa not in _state:
+                _state[isa] = build_or_fall_back(
+                    _compile, _SOURCE.name, f"tidepool's CPU attention kernel ({isa})",
+                    "PyTorch SDPA", isa if cpu_features.cpu_has(isa) else None,
+                )  # fmt: skip
+    return _state[isa]
+
+
+def chosen_isa() -> str | None:
+    """The build the encoders run: the best of BUILD_ISAS usable here (cpu_features.usable:
+    the CPU has it, TIDEPOOL_CPU_ISA allows it), None where none is."""
+    return cpu_features.best(BUILD_ISAS)
 
 
 def load():
-    """The `encoder_attention` op, built and loaded on first call; None where it cannot run."""
-    if "op" not in _state:
-        with _lock:
-            if "op" not in _state:
-                _state["op"] = _build()
-    return _state["op"]
+    """The chosen build's op namespace (chosen_isa), built and loaded on first call; None where
+    it cannot run (then the encoders run PyTorch SDPA)."""
+    isa = chosen_isa()
+    if isa is None:
+        key = "none"
+        if key not in _state:
+            with _lock:
+                _state[key] = build_or_fall_back(
+                    _compile, _SOURCE.name, "tidepool's CPU attention kernel", "PyTorch SDPA", None
+                )
+        return _state[key]
+    return load_isa(isa)
 
 
 def amx_bf16_available() -> bool:
     """Whether the kernel runs its AMX-bf16 modes here (the CPU has AMX-bf16 and AVX512-BF16
     and the OS granted the tile state); elsewhere they run the float32 path."""
-    if load() is None:
+    ops = load()
+    if ops is None or not cpu_features.usable("amx"):
         return False
-    return bool(torch.ops.tidepool_cpu.amx_bf16_available())
+    return bool(ops.amx_bf16_available())
 
 
 def supports(
@@ -188,6 +215,7 @@ def encoder_attention(
     bias: RelativePositionBias | None = None,
     key_lens: torch.Tensor | None = None,
     matmul: str = "float32",
+    isa: str | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim], k / v: [num_tokens, kv_heads, head_dim] (views with any
     row and head strides, head_dim contiguous; kv_heads dividing heads), sequence i at rows
@@ -196,9 +224,12 @@ def encoder_attention(
     sequence's first query only, in sequence order. `bias` (relative_bias.py) is added to the
     scores inside the kernel, read by key - query distance. `key_lens` ([num_seqs] int64, each
     in 1..seq_lens[i]): sequence i's keys are its first key_lens[i] rows; None: all its rows.
-    `matmul`: a MATMULS mode (the AMX ones run float32 where amx_bf16_available() is False)."""
-    op = load()
-    assert op is not None, "check supports() first"
+    `matmul`: a MATMULS mode (the AMX ones run float32 where amx_bf16_available() is False).
+    `isa`: run that build (BUILD_ISAS; tests), not the chosen one."""
+    ops = load() if isa is None else load_isa(isa)
+    assert ops is not None, "check supports() first"
+    if matmul != "float32" and not amx_bf16_available():
+        matmul = "float32"  # also where TIDEPOOL_CPU_ISA caps the kernels below amx
     num_tokens, num_heads, head_dim = q.shape
     if first_token_only:
         out = q.new_empty(seq_starts.shape[0], num_heads * head_dim)
@@ -207,7 +238,7 @@ def encoder_attention(
         out = q.new_empty(num_tokens, num_heads * head_dim)
         out_starts = seq_starts
     table, offset = (None, 0) if bias is None else (bias.by_distance, bias.offset)
-    op(
+    ops.encoder_attention(
         q,
         k,
         v,

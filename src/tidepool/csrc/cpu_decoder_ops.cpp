@@ -1,7 +1,8 @@
 // tidepool's CPU element-wise kernels for the decoders: RMSNorm and the per-head q/k RMSNorm
 // (Qwen3) fused with RoPE (float32), and the KV-cache write (any dtype). Each is one pass over its rows instead of the 4-6 passes
 // (and their temporaries) of the torch ops; the loops are written for the compiler to vectorise
-// (-O3 -mavx512f, `omp simd` reductions), parallel over tokens with ATen's parallel_for.
+// (-O3 with the build's ISA, -mavx512f... or -mavx2 -mfma: attention/cpu_kernels.py's
+// ISA_CFLAGS; `omp simd` reductions), parallel over tokens with ATen's parallel_for.
 // Loaded by attention/cpu_decoder_ops.py, which keeps the torch ops as the fallback.
 
 #include <ATen/Parallel.h>
@@ -148,7 +149,11 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& val
 
 }  // namespace
 
-TORCH_LIBRARY(tidepool_decoder, m) {
+#ifndef TP_NS
+#define TP_NS tidepool_decoder
+#endif
+
+TORCH_LIBRARY(TP_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.def(
       "qk_norm_rope_(Tensor(a!) qk, int num_q_heads, Tensor? q_weight, Tensor? k_weight, "
@@ -156,7 +161,7 @@ TORCH_LIBRARY(tidepool_decoder, m) {
   m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tidepool_decoder, CPU, m) {
+TORCH_LIBRARY_IMPL(TP_NS, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("qk_norm_rope_", &qk_norm_rope_);
   m.impl("write_kv", &write_kv);

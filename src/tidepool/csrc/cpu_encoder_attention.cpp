@@ -1,4 +1,5 @@
-// Bidirectional attention over packed, variable-length sequences on CPU (AVX-512).
+// Bidirectional attention over packed, variable-length sequences on CPU (AVX-512 or AVX2 +
+// FMA: one source, the ISA the build's, cpu_simd.h).
 //
 // One task is one (sequence, head). Its keys are packed transposed and its values packed
 // contiguous, both in float32, into per-thread scratch; queries run in tiles of kRows rows: the
@@ -27,9 +28,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include "cpu_amx.h"
+#include "cpu_simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -41,7 +41,22 @@
 
 namespace {
 
-constexpr int64_t kRows = 8;  // query rows per tile
+// The vector ISA is the build's (cpu_simd.h: TP_ISA_AVX512 or TP_ISA_AVX2); the tile shapes
+// below follow from its register count. AVX-512 (32 registers of 16 floats): score tiles of
+// 8 query rows x 32 keys (16 accumulators). AVX2 (16 registers of 8 floats): 6 rows x 16 keys
+// (12 accumulators, the 2 key vectors and the broadcast query: 15 of the 16).
+#if defined(TP_ISA_AVX512)
+constexpr int64_t kRows = 8;      // query rows per score tile
+constexpr int64_t kKeyVecs = 2;   // key vectors per score tile (32 keys)
+constexpr int64_t kOutAccs = 16;  // P V accumulators
+constexpr int64_t kOutVecs = 8;   // P V: most output vectors per row and pass (all of D <= 128)
+#else
+constexpr int64_t kRows = 6;
+constexpr int64_t kKeyVecs = 2;   // 16 keys
+constexpr int64_t kOutAccs = 12;
+constexpr int64_t kOutVecs = 2;   // P V in passes of 16 dims: 6 rows x 2 vectors
+#endif
+constexpr int64_t kKeyBlock = kKeyVecs * kW;  // keys per score tile
 
 // The longest sequence the op accepts: one constant, attention/cpu_kernels.py's MAX_SEQ_LEN,
 // passed by its build (-DTIDEPOOL_MAX_SEQ_LEN), so Python and C++ cannot disagree.
@@ -50,84 +65,13 @@ constexpr int64_t kRows = 8;  // query rows per tile
 #endif
 constexpr int64_t kMaxSeqLen = TIDEPOOL_MAX_SEQ_LEN;
 
-#define TP_INLINE inline __attribute__((always_inline))
-
-// exp(x) for x <= 0 (scores minus the row's maximum): 2^n * p(r), r = x - n ln2, |r| <= ln2/2,
-// degree-6 polynomial; relative error ~2e-7, underflows to 0 below -87.
-TP_INLINE __m512 exp_ps(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 r2 = _mm512_mul_ps(r, r);
-  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-
-TP_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-TP_INLINE __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-TP_INLINE void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-TP_INLINE void store16(c10::BFloat16* p, __m512 v) {
-  // Round to nearest even, as torch's float -> bfloat16 conversion does (no NaN inputs here).
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
-
 struct Scratch {
-  std::vector<float> kt;      // [Lp / 32, D, 32] keys, transposed in blocks of 32
+  std::vector<float> kt;      // [Lp / KB, D, KB] keys, transposed in blocks of kKeyBlock
   std::vector<float> v;       // [len, D] values
   std::vector<float> q;       // [Lr, D] queries, scaled (Lr: q_len rounded up to kRows)
   std::vector<float> s;       // [Lr, Lp] scores, then probabilities
   std::vector<float> inv;     // [Lr] 1 / each row's softmax denominator
 };
-
-// 16 x 16 transpose in registers: r[i] holds row i on entry, column i on exit.
-TP_INLINE void transpose16(__m512 r[16]) {
-  __m512 t[16], u[16];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i) {
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      t[8 * i + k] = _mm512_shuffle_f32x4(u[8 * i + k], u[8 * i + 4 + k], 0x88);
-      t[8 * i + 4 + k] = _mm512_shuffle_f32x4(u[8 * i + k], u[8 * i + 4 + k], 0xDD);
-    }
-  }
-#pragma GCC unroll 8
-  for (int k = 0; k < 8; ++k) {
-    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
-    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xDD);
-  }
-}
 
 // Where one head's rows are: row i of the head starts at ptr + i * row (elements).
 template <typename T>
@@ -143,21 +87,22 @@ struct HeadRows {
 template <typename T, int64_t D>
 void attend(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, int64_t len, int64_t q_len,
             int64_t h, float scale, const float* bias, T* out, int64_t out_start, Scratch& sc) {
-  constexpr int64_t V = D / 16;  // vectors per head row
-  const int64_t Lp = (len + 31) / 32 * 32;
+  constexpr int64_t V = D / kW;  // vectors per head row
+  constexpr int64_t KB = kKeyBlock;
+  const int64_t Lp = (len + KB - 1) / KB * KB;
   sc.kt.resize(D * Lp);
   float* kt = sc.kt.data();
-  // Keys, 16 at a time: 16 rows x 16 dims transposed in registers into the [D, 32] blocks.
-  for (int64_t j = 0; j < Lp; j += 16) {
-    float* ktb = kt + (j / 32) * D * 32 + j % 32;
+  // Keys, kW at a time: kW rows x kW dims transposed in registers into the [D, KB] blocks.
+  for (int64_t j = 0; j < Lp; j += kW) {
+    float* ktb = kt + (j / KB) * D * KB + j % KB;
     for (int64_t c = 0; c < V; ++c) {
-      __m512 r[16];
+      vf r[kW];
 #pragma GCC unroll 16
-      for (int64_t i = 0; i < 16; ++i)
-        r[i] = j + i < len ? load16(k.ptr + (j + i) * k.row + 16 * c) : _mm512_setzero_ps();
-      transpose16(r);
+      for (int64_t i = 0; i < kW; ++i)
+        r[i] = j + i < len ? vload(k.ptr + (j + i) * k.row + kW * c) : vzero();
+      transpose(r);
 #pragma GCC unroll 16
-      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(ktb + (16 * c + i) * 32, r[i]);
+      for (int64_t i = 0; i < kW; ++i) vstoreu(ktb + (kW * c + i) * KB, r[i]);
     }
   }
   // Values contiguous in float32 (read in place, their rows are a page apart: 1.3x slower).
@@ -165,7 +110,7 @@ void attend(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, int64_t len,
   float* vb = sc.v.data();
   for (int64_t j = 0; j < len; ++j)
     for (int64_t c = 0; c < V; ++c)
-      store16(vb + j * D + 16 * c, load16(v.ptr + j * v.row + 16 * c));
+      vstore(vb + j * D + kW * c, vload(v.ptr + j * v.row + kW * c));
   const int64_t Lr = (q_len + kRows - 1) / kRows * kRows;
   sc.q.resize(Lr * D);
   sc.s.resize(Lr * Lp);
@@ -175,90 +120,90 @@ void attend(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, int64_t len,
   float* inv = sc.inv.data();
   // Queries, scaled, all rows before any is used: broadcasting a float out of a vector that was
   // just stored stalls store forwarding (a per-tile copy made the scores 2x slower).
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const vf vscale = vset1(scale);
   for (int64_t i = 0; i < Lr; ++i)
     for (int64_t c = 0; c < V; ++c)
-      store16(qb + i * D + 16 * c,
-              i < q_len ? _mm512_mul_ps(load16(q.ptr + i * q.row + 16 * c), vscale) : _mm512_setzero_ps());
-  // Phase 1, scores S = Q K^T: [kRows, 32] register tiles; the keys (D x Lp) stay in L1 while
+      vstore(qb + i * D + kW * c, i < q_len ? vmul(vload(q.ptr + i * q.row + kW * c), vscale) : vzero());
+  // Phase 1, scores S = Q K^T: [kRows, KB] register tiles; the keys (D x Lp) stay in L1 while
   // every query tile passes over them. Each row's maximum over its real keys goes with it.
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const vf neg_inf = vset1(-std::numeric_limits<float>::infinity());
   for (int64_t i0 = 0; i0 < Lr; i0 += kRows) {
     const float* qt = qb + i0 * D;
     float* st = s + i0 * Lp;
-    __m512 mx[kRows];
+    vf mx[kRows];
     for (int64_t r = 0; r < kRows; ++r) mx[r] = neg_inf;
-    for (int64_t j = 0; j < Lp; j += 32) {
-      __m512 acc[kRows][2];
-      for (int64_t r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-      const float* ktb = kt + j * D;  // block j / 32: [D, 32]
+    for (int64_t j = 0; j < Lp; j += KB) {
+      vf acc[kRows][kKeyVecs];
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t u = 0; u < kKeyVecs; ++u) acc[r][u] = vzero();
+      const float* ktb = kt + j * D;  // block j / KB: [D, KB]
       for (int64_t d = 0; d < D; ++d) {
-        const __m512 k0 = _mm512_loadu_ps(ktb + d * 32);
-        const __m512 k1 = _mm512_loadu_ps(ktb + d * 32 + 16);
+        vf kv[kKeyVecs];
+        for (int64_t u = 0; u < kKeyVecs; ++u) kv[u] = vloadu(ktb + d * KB + kW * u);
         for (int64_t r = 0; r < kRows; ++r) {
-          const __m512 qv = _mm512_set1_ps(qt[r * D + d]);
-          acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+          const vf qv = vset1(qt[r * D + d]);
+          for (int64_t u = 0; u < kKeyVecs; ++u) acc[r][u] = vfmadd(qv, kv[u], acc[r][u]);
         }
       }
       if (bias != nullptr) {
         for (int64_t r = 0; r < kRows; ++r) {
           const float* b = bias + j - (i0 + r);
-          acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(b));
-          acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(b + 16));
+          for (int64_t u = 0; u < kKeyVecs; ++u) acc[r][u] = vadd(acc[r][u], vloadu(b + kW * u));
         }
       }
-      const int64_t real = len - j;  // real keys in this block (may exceed 32)
-      const __mmask16 m0 = real >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << real) - 1u);
-      const __mmask16 m1 =
-          real >= 32 ? 0xFFFF : (real <= 16 ? 0 : static_cast<__mmask16>((1u << (real - 16)) - 1u));
+      const int64_t real = len - j;  // real keys in this block (may exceed KB, or be <= 0)
+      vmask m[kKeyVecs];
+      for (int64_t u = 0; u < kKeyVecs; ++u) m[u] = lanes(real - kW * u);
       for (int64_t r = 0; r < kRows; ++r) {
-        _mm512_storeu_ps(st + r * Lp + j, acc[r][0]);
-        _mm512_storeu_ps(st + r * Lp + j + 16, acc[r][1]);
-        mx[r] = _mm512_mask_max_ps(mx[r], m0, mx[r], acc[r][0]);
-        mx[r] = _mm512_mask_max_ps(mx[r], m1, mx[r], acc[r][1]);
+        for (int64_t u = 0; u < kKeyVecs; ++u) {
+          vstoreu(st + r * Lp + j + kW * u, acc[r][u]);
+          mx[r] = vmask_max(mx[r], m[u], acc[r][u]);
+        }
       }
     }
     // Phase 2 for the tile, while its scores are in L1: softmax over the len real keys.
     for (int64_t r = 0; r < kRows; ++r) {
       float* sr = st + r * Lp;
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[r]));
-      __m512 sum = _mm512_setzero_ps();
+      const vf mr = vset1(vreduce_max(mx[r]));
+      vf sum = vzero();
       int64_t j = 0;
-      for (; j + 16 <= len; j += 16) {
-        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
-        _mm512_storeu_ps(sr + j, p);
-        sum = _mm512_add_ps(sum, p);
+      for (; j + kW <= len; j += kW) {
+        const vf p = exp_ps(vsub(vloadu(sr + j), mr));
+        vstoreu(sr + j, p);
+        sum = vadd(sum, p);
       }
       if (j < len) {
-        const __mmask16 tail = static_cast<__mmask16>((1u << (len - j)) - 1u);
-        const __m512 p = _mm512_maskz_mov_ps(tail, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m)));
-        _mm512_storeu_ps(sr + j, p);
-        sum = _mm512_add_ps(sum, p);
+        const vf p = vmaskz(lanes(len - j), exp_ps(vsub(vloadu(sr + j), mr)));
+        vstoreu(sr + j, p);
+        sum = vadd(sum, p);
       }
-      inv[i0 + r] = 1.0f / _mm512_reduce_add_ps(sum);
+      inv[i0 + r] = 1.0f / vreduce_add(sum);
     }
   }
-  // Phase 3, O = P V / sum: rows in groups that keep 16 accumulators.
-  constexpr int64_t G = 16 / V < kRows ? 16 / V : kRows;
+  // Phase 3, O = P V / sum: rows in groups of G, head dims in passes of C vectors, keeping
+  // G x C accumulators (AVX-512: all of D in one pass).
+  constexpr int64_t C = V < kOutVecs ? V : kOutVecs;
+  constexpr int64_t G = kOutAccs / C < kRows ? kOutAccs / C : kRows;
   for (int64_t g = 0; g < q_len; g += G) {
     const int64_t gr = std::min(G, q_len - g);
-    __m512 acc[G][V];
-    for (int64_t r = 0; r < G; ++r)
-      for (int64_t c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
     const float* pg = s + g * Lp;
-    for (int64_t j = 0; j < len; ++j) {
-      __m512 vv[V];
-      for (int64_t c = 0; c < V; ++c) vv[c] = _mm512_loadu_ps(vb + j * D + 16 * c);
-      for (int64_t r = 0; r < G; ++r) {
-        const __m512 p = _mm512_set1_ps(pg[r * Lp + j]);
-        for (int64_t c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
+    for (int64_t c0 = 0; c0 < V; c0 += C) {
+      vf acc[G][C];
+      for (int64_t r = 0; r < G; ++r)
+        for (int64_t c = 0; c < C; ++c) acc[r][c] = vzero();
+      for (int64_t j = 0; j < len; ++j) {
+        vf vv[C];
+        for (int64_t c = 0; c < C; ++c) vv[c] = vloadu(vb + j * D + kW * (c0 + c));
+        for (int64_t r = 0; r < G; ++r) {
+          const vf p = vset1(pg[r * Lp + j]);
+          for (int64_t c = 0; c < C; ++c) acc[r][c] = vfmadd(p, vv[c], acc[r][c]);
+        }
       }
-    }
-    for (int64_t r = 0; r < gr; ++r) {
-      const __m512 w = _mm512_set1_ps(inv[g + r]);
-      T* o = out + (out_start + g + r) * H * D + h * D;
-      for (int64_t c = 0; c < V; ++c) store16(o + 16 * c, _mm512_mul_ps(acc[r][c], w));
+      for (int64_t r = 0; r < gr; ++r) {
+        const vf w = vset1(inv[g + r]);
+        T* o = out + (out_start + g + r) * H * D + h * D + kW * c0;
+        for (int64_t c = 0; c < C; ++c) vstore(o + kW * c, vmul(acc[r][c], w));
+      }
     }
   }
 }

@@ -20,6 +20,8 @@
 
 enum Matmul : int64_t { kFloat32 = 0, kBf16 = 1, kBf16x3 = 2 };
 
+#if defined(TP_ISA_AVX512)
+
 #define TP_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
 
 constexpr int64_t kTile = 512;  // bf16 elements in one tile (16 rows x 32, 1 KiB)
@@ -61,12 +63,6 @@ TP_AMX TP_INLINE __m512i join(__m256i a, __m256i b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
 }
 
-// Into L2: one head row of D elements.
-template <typename T>
-TP_INLINE void prefetch_row(const T* p, int64_t D) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T2);
-}
 
 // n elements of v starting at a 64-byte boundary: tile rows (64 bytes) then never split a
 // cache line.
@@ -106,10 +102,10 @@ TP_AMX void pack_keys(HeadRows<T> k, int64_t len, int64_t Lp, bool split, uint16
         rl[n] = _mm512_castsi512_ps(join(l0, l1));
       }
       const int64_t tile = (nb * S + ks) * kTile;
-      transpose16(rh);
+      transpose(rh);
       for (int64_t r = 0; r < 16; ++r) _mm512_storeu_ps(hi + tile + r * 32, rh[r]);
       if (split) {
-        transpose16(rl);
+        transpose(rl);
         for (int64_t r = 0; r < 16; ++r) _mm512_storeu_ps(lo + tile + r * 32, rl[r]);
       }
     }
@@ -333,7 +329,7 @@ TP_AMX void attend_amx(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, i
       const __m512 w = _mm512_set1_ps(inv[r]);
       T* dst = out + (out_start + 32 * b + r) * H * D + h * D;
       for (int64_t c = 0; c < D / 16; ++c)
-        store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), w));
+        vstore(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), w));
     }
   };
   scores(0);
@@ -345,6 +341,27 @@ TP_AMX void attend_amx(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, i
     if (b > 0) outputs(b - 1);
   }
   outputs(blocks - 1);
+}
+
+#else  // AVX2: no AMX path; amx_ready() is false, so run() never calls attend_amx.
+
+bool amx_ready() { return false; }
+struct AmxScratch {};
+inline void amx_begin() {}
+inline void amx_end() {}
+template <typename T, int64_t D, bool kSplit>
+void attend_amx(HeadRows<T>, HeadRows<T>, HeadRows<T>, int64_t, int64_t, int64_t, int64_t, float,
+                const float*, T*, int64_t, AmxScratch&) {
+  TORCH_CHECK(false, "the AMX-bf16 path is not in this build");
+}
+
+#endif  // TP_ISA_AVX512
+
+// Into L2: one head row of D elements.
+template <typename T>
+TP_INLINE void prefetch_row(const T* p, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T2);
 }
 
 // A [rows, heads, D] view with unit stride in D: its row and head strides, in elements.

@@ -12,7 +12,8 @@
 // Both may also quantize each finished row for the next int8 GEMM (its smoothing, its scheme)
 // while the row is in L1: the next layer then skips its own quantizer pass.
 //
-// Rounding is to nearest even (the default MXCSR mode of _mm512_cvtps_epi32), like torch.round.
+// Rounding is to nearest even (the default MXCSR mode of vcvtps2dq), like torch.round. One
+// source for AVX-512 and AVX2 + FMA (cpu_simd.h; the build's ISA, models/layers/int8_ops.py).
 // Loaded by models/layers/int8_ops.py, which keeps torch ops as the fallback.
 
 #include "cpu_int8_common.h"
@@ -67,9 +68,9 @@ void dequant_(at::Tensor& y, const at::Tensor& scale, const c10::optional<at::Te
   at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* row = op + t * N;
-      for (int64_t n = 0; n < N; n += 16) {
-        const __mmask16 m = tail_mask(N - n);
-        _mm512_mask_storeu_ps(row + n, m, epilogue_lanes(e, yp + t * N, t, n, m));
+      for (int64_t n = 0; n < N; n += kW) {
+        const vmask m = tail_mask(N - n);
+        vstore_masked(row + n, m, epilogue_lanes(e, yp + t * N, t, n, m));
       }
       h.row(row, t, N);
     }
@@ -97,14 +98,14 @@ void dequant_norm_(at::Tensor& y, const at::Tensor& scale,
   at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* row = op + t * N;
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t n = 0; n < N; n += 16) {
-        const __mmask16 m = tail_mask(N - n);
-        const __m512 v = epilogue_lanes(e, yp + t * N, t, n, m);
-        _mm512_mask_storeu_ps(row + n, m, v);
-        sum = _mm512_add_ps(sum, v);  // masked lanes are 0
+      vf sum = vzero();
+      for (int64_t n = 0; n < N; n += kW) {
+        const vmask m = tail_mask(N - n);
+        const vf v = epilogue_lanes(e, yp + t * N, t, n, m);
+        vstore_masked(row + n, m, v);
+        sum = vadd(sum, v);  // masked lanes are 0
       }
-      layer_norm_row(row, N, _mm512_reduce_add_ps(sum), g, b, eps);
+      layer_norm_row(row, N, vreduce_add(sum), g, b, eps);
       h.row(row, t, N);
     }
   });
@@ -112,7 +113,11 @@ void dequant_norm_(at::Tensor& y, const at::Tensor& scale,
 
 }  // namespace
 
-TORCH_LIBRARY(tidepool_int8, m) {
+#ifndef TP_NS
+#define TP_NS tidepool_int8
+#endif
+
+TORCH_LIBRARY(TP_NS, m) {
   m.def(
       "quantize_rows(Tensor x, Tensor? smoothing, bool asym, Tensor(a!) q, Tensor(b!) scale, "
       "Tensor(c!) scaled_zero) -> ()");
@@ -126,7 +131,7 @@ TORCH_LIBRARY(tidepool_int8, m) {
       "Tensor(b!)? q, Tensor(c!)? q_scale, Tensor(d!)? q_scaled_zero, Tensor(e!)? out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tidepool_int8, CPU, m) {
+TORCH_LIBRARY_IMPL(TP_NS, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
   m.impl("dequant_", &dequant_);
   m.impl("dequant_norm_", &dequant_norm_);

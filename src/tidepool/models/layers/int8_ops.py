@@ -6,8 +6,10 @@ a row while it sits in L1.
 Why: the same work as torch ops took ~63% of an int8 pass (three to four passes over each
 input to quantize it, two to three over each output; profile in docs/performance.md, "int8"),
 several times the GEMM itself. Built on first use like the attention kernels (named by the
-source's hash, cached under TORCH_EXTENSIONS_DIR); where the build fails or the CPU has no
-AVX-512, `load()` says why once and returns None, and `Int8Linear` keeps its torch ops.
+source's hash, cached under TORCH_EXTENSIONS_DIR), for AVX-512 or AVX2 + FMA (BUILD_ISAS, one
+source: csrc/cpu_simd.h; chosen once by attention/cpu_features.py, capped by TIDEPOOL_CPU_ISA);
+where the build fails or the CPU has neither, `load()` says why once and returns None, and
+`Int8Linear` keeps its torch ops. The AMX GEMM (load_amx) needs the "amx" level.
 TIDEPOOL_CPU_ATTENTION=sdpa turns these off too (one switch for tidepool's hand-written CPU
 code), =native makes a failure an error.
 """
@@ -19,10 +21,12 @@ from pathlib import Path
 
 import torch
 
-from tidepool.attention import cpu_kernels
+from tidepool.attention import cpu_features, cpu_kernels
 
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_int8_ops.cpp"
-_CFLAGS = cpu_kernels.AVX512_CFLAGS
+_NAMESPACE = "tidepool_int8"
+BUILD_ISAS = ("avx512", "avx2")
+"""The ISA levels the quantizer / epilogue kernels are built for, best first."""
 ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2}
 """The activations the epilogue applies itself (the kernel's codes); others run as torch ops."""
 
@@ -30,21 +34,33 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _compile() -> object:
-    cpu_kernels.build_extension(_SOURCE, "tidepool_int8_ops", _CFLAGS)
-    return torch.ops.tidepool_int8
+def _compile(isa: str) -> object:
+    flags = cpu_kernels.isa_cflags(isa, _NAMESPACE)
+    cpu_kernels.build_extension(_SOURCE, f"tidepool_int8_ops_{isa}", flags)
+    return getattr(torch.ops, cpu_kernels.namespace(_NAMESPACE, isa))
 
 
-def load() -> object | None:
-    """The `tidepool_int8` op namespace, built and loaded on first call; None where it cannot
-    run. Call at load time (Int8Linear's constructor), not per step."""
-    if "ops" not in _state:
+def chosen_isa() -> str | None:
+    """The build the int8 linears run: the best of BUILD_ISAS the CPU and TIDEPOOL_CPU_ISA
+    allow (cpu_features.usable), None where none is."""
+    return cpu_features.best(BUILD_ISAS)
+
+
+def load(isa: str | None = None) -> object | None:
+    """The op namespace of the chosen build (chosen_isa) or of `isa`'s (tests), built and
+    loaded on first call; None where it cannot run. Call at load time (Int8Linear's
+    constructor), not per step."""
+    if isa is None:
+        isa = chosen_isa()
+    elif not cpu_features.cpu_has(isa):
+        isa = None
+    if isa not in _state:
         with _lock:
-            if "ops" not in _state:
-                _state["ops"] = cpu_kernels.build_or_fall_back(
-                    _compile, _SOURCE.name, "tidepool's int8 CPU kernels", "torch ops"
+            if isa not in _state:
+                _state[isa] = cpu_kernels.build_or_fall_back(
+                    _compile, _SOURCE.name, "tidepool's int8 CPU kernels", "torch ops", isa
                 )
-    return _state["ops"]
+    return _state[isa]
 
 
 def quantize_rows(
@@ -56,7 +72,7 @@ def quantize_rows(
     q = torch.empty(x.shape, dtype=torch.uint8 if asym else torch.int8)
     scale = torch.empty(rows, 1)
     scaled_zero = torch.empty(rows, 1)
-    torch.ops.tidepool_int8.quantize_rows(x, smoothing, asym, q, scale, scaled_zero)
+    load().quantize_rows(x, smoothing, asym, q, scale, scaled_zero)
     return q, scale, scaled_zero
 
 
@@ -64,7 +80,7 @@ _AMX_SOURCE = _SOURCE.parent / "cpu_int8_gemm.cpp"
 _AMX_CFLAGS = [*cpu_kernels.AVX512_CFLAGS, "-mamx-tile", "-mamx-int8"]
 
 
-def _compile_amx() -> object:
+def _compile_amx(isa: str) -> object:
     cpu_kernels.build_extension(_AMX_SOURCE, "tidepool_int8_gemm", _AMX_CFLAGS)
     ops = torch.ops.tidepool_int8_amx
     return ops if ops.available() else None
@@ -74,26 +90,18 @@ def load_amx() -> object | None:
     """The `tidepool_int8_amx` namespace (the AMX GEMM with its epilogue in the tile loop,
     csrc/cpu_int8_gemm.cpp) where the CPU has AMX-INT8 and the build works, else None (then
     Int8Linear runs oneDNN's GEMM and the epilogue kernels)."""
-    if "amx" not in _state:
+    if "amx_gemm" not in _state:
         epilogues = load()  # first: it takes the same lock
         with _lock:
-            if "amx" not in _state:
+            if "amx_gemm" not in _state:
                 ops = None
-                if epilogues is not None and _cpu_has_amx():
+                if epilogues is not None and cpu_features.usable("amx"):
                     ops = cpu_kernels.build_or_fall_back(
                         _compile_amx, _AMX_SOURCE.name, "tidepool's AMX int8 GEMM",
-                        "oneDNN's int8 GEMM",
+                        "oneDNN's int8 GEMM", "amx",
                     )  # fmt: skip
-                _state["amx"] = ops
-    return _state["amx"]
-
-
-def _cpu_has_amx() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "amx_tile" in flags and "amx_int8" in flags
+                _state["amx_gemm"] = ops
+    return _state["amx_gemm"]
 
 
 def pack_weight(weight_q: torch.Tensor) -> torch.Tensor:
