@@ -1,11 +1,11 @@
 """What this CPU runs, as skip markers: a test of a path that depends on a CPU feature runs where
 the machine takes that path and is skipped elsewhere, with the reason in the marker.
 
-x86-64 machines this project meets: AMD Zen 3 (AVX2 + FMA only: the encoders run torch SDPA, int8
-runs oneDNN's GEMM), AMD Zen 4 (AVX-512 with VNNI and BF16, no AMX), Intel Sapphire Rapids and
+x86-64 machines this project meets: AMD Zen 3 (AVX2 + FMA only: the kernels' AVX2 builds, int8
+runs oneDNN's GEMM on split 7-bit inputs), AMD Zen 4 (AVX-512 with VNNI and BF16, no AMX), Intel Sapphire Rapids and
 later (AVX-512 + AMX-BF16 / AMX-INT8) and Intel without AMX (AVX-512 or AVX2 only).
 
-    requires_avx512       the CPU has AVX-512 F/BW/DQ/VL (what tidepool's kernels are built for)
+    requires_avx512       the CPU has AVX-512 F/BW/DQ/VL (the kernels' AVX-512 builds, AMX)
     requires_cpu_kernel   tidepool's encoder attention kernel builds and loads here
     requires_amx_bf16     the kernel's AMX-bf16 modes run here (AMX-BF16 + AVX512-BF16, tiles granted)
     requires_int8_gemm    this torch has oneDNN's int8 linear (quantization="int8")
@@ -19,22 +19,16 @@ from __future__ import annotations
 
 import platform
 from functools import cache
-from pathlib import Path
 
 import pytest
 
 
 @cache
 def cpu_flags() -> frozenset[str]:
-    """/proc/cpuinfo's flags of the first CPU (empty where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+    """The CPU's flags, as the product reads them (tidepool.attention.cpu_features)."""
+    from tidepool.attention import cpu_features
+
+    return cpu_features.cpu_flags()
 
 
 def _missing(*flags: str) -> str:
@@ -83,10 +77,11 @@ def amx_int8_available() -> bool:
 
 
 def _kernel_reason() -> str:
-    why = _missing(*AVX512_FLAGS)
+    why = _missing("avx2", "fma")
     return (
-        f"tidepool's CPU attention kernel is off here ({why or 'its build failed or is disabled'});"
-        " the encoders run torch SDPA, which the same tests cover"
+        "tidepool's CPU attention kernel (AVX-512 or AVX2 + FMA builds) is off here "
+        f"({why or 'its build failed or is disabled'}); the encoders run torch SDPA, which the "
+        "same tests cover"
     )
 
 
