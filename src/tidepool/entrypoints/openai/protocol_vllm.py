@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 Int = StrictInt
 Bool = StrictBool
@@ -33,6 +41,20 @@ class PoolingFields(_Base):
     """Refused (text models only)."""
     cache_salt: Str | None = None
     """Refused (no per-request prefix-cache salting)."""
+
+    @field_validator("request_id")
+    @classmethod
+    def _encodable(cls, value: str | None) -> str | None:
+        """Echoed in the answer, so it must encode as UTF-8 (a lone surrogate would not)."""
+        if value is not None:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"is not valid Unicode: a lone surrogate (\\u{ord(value[e.start]):04x}) at "
+                    f"character {e.start}"
+                ) from None
+        return value
 
 
 class ChatFields(_Base):
