@@ -112,5 +112,7 @@ def test_protocol_names_the_same_dtypes() -> None:
     from typing import get_args
 
     from tidepool.entrypoints.openai import protocol
+    from tidepool.entrypoints.openai.encodings import FP8_DTYPES
 
-    assert set(get_args(protocol.EmbedDType)) == set(EMBED_DTYPES)
+    # quantize_embeddings' precisions, and vLLM's fp8 embed_dtypes (an encoding, not a quantizer).
+    assert set(get_args(protocol.EmbedDType)) == set(EMBED_DTYPES) | set(FP8_DTYPES)
