@@ -24,6 +24,7 @@ from tidepool.attention.paged_metadata import (
     causal_row_max_len,
     output_rows_of,
     plan_buckets,
+    split_decode_rows,
     split_rows,
 )
 from tidepool.core.sched_output import SchedulerOutput
@@ -114,9 +115,13 @@ def build_causal_batch(
     device: torch.device,
     max_pad_fraction: float,
     output_rows_only: bool = False,
+    in_place_decode_len: int = 0,
 ) -> CausalBatch:
     """`output_rows_only`: the step reads only finishing requests' last tokens (sampling, LAST
-    pooling): the metadata carries them (PagedAttentionMetadata.output_rows)."""
+    pooling): the metadata carries them (PagedAttentionMetadata.output_rows).
+    `in_place_decode_len`: rows of at most this many queries (decodes, short prompts, the output
+    rows) read the cache in place (attention/cpu_paged_decode.py) instead of SDPA buckets; 0:
+    none."""
     requests = _flat_order(sched_out)
     query_lens = [sched_out.num_scheduled_tokens[r.request_id] for r in requests]
     context_lens = [r.num_computed_tokens for r in requests]
@@ -138,6 +143,7 @@ def build_causal_batch(
     rows = split_rows(
         context_lens, query_lens, causal_max_len=causal_row_max_len([v.spec for v in views])
     )
+    rows, decode_rows = split_decode_rows(rows, in_place_decode_len)
     first_spec = views[0].spec
     spans = plan_buckets(rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction)
     reaches_end = [
@@ -145,26 +151,50 @@ def build_causal_batch(
     ]
     out_tokens: list[int] = []
     out_rows: list[AttentionRow] = []
+    out_decode_rows: list[AttentionRow] = []
     out_spans: list[tuple[int, int]] = []
     if output_rows_only:
         out_tokens, out_rows = output_rows_of(context_lens, query_lens, reaches_end)
+        out_rows, out_decode_rows = split_decode_rows(out_rows, in_place_decode_len)
         out_spans = plan_buckets(
             out_rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction
         )
-    block_tables: dict[int, torch.Tensor] = {}
+    block_tables: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     groups, output_groups = [], []
     for group_id, spec in views:
         if group_id not in block_tables:
             tables = [states[r.request_id].block_ids[group_id] for r in requests]
-            block_tables[group_id] = torch.from_numpy(_pad_table(tables))
-        table = block_tables[group_id]
+            table64 = torch.from_numpy(_pad_table(tables))
+            table32 = table64.to(torch.int32) if in_place_decode_len else None
+            block_tables[group_id] = (table64, table32)
+        table, table32 = block_tables[group_id]
         groups.append(
-            build_group_metadata(rows, spans, table, token_request, positions, spec, dtype, device)
+            build_group_metadata(
+                rows,
+                spans,
+                table,
+                token_request,
+                positions,
+                spec,
+                dtype,
+                device,
+                decode_rows,
+                table32,
+            )
         )
         if output_rows_only:
             output_groups.append(
                 build_group_metadata(
-                    out_rows, out_spans, table, token_request, positions, spec, dtype, device
+                    out_rows,
+                    out_spans,
+                    table,
+                    token_request,
+                    positions,
+                    spec,
+                    dtype,
+                    device,
+                    out_decode_rows,
+                    table32,
                 )
             )
     attn_metadata = PagedAttentionMetadata(
