@@ -68,7 +68,7 @@ class Tidepool:
         )
         self.params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
         self.clock = TokenClock()
-        scheduler = self.llm.engine.core.scheduler
+        scheduler = self.llm.engine.scheduler
         update = scheduler.update
 
         def timed_update(*a, **k):

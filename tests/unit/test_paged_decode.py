@@ -36,7 +36,9 @@ def _step(spec, context_lens, query_lens, in_place: bool, softcap, dtype=torch.f
     neighbouring blocks by accident."""
     g = torch.Generator().manual_seed(3)
     kv_heads, head_size, block_size = spec.num_kv_heads, spec.head_size, spec.block_size
-    blocks_per_row = [-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens, strict=True)]
+    blocks_per_row = [
+        -(-(c + q) // block_size) for c, q in zip(context_lens, query_lens, strict=True)
+    ]
     total = sum(blocks_per_row)
     ids = (torch.randperm(total, generator=g) + 1).tolist()  # block 0 is the null block
     block_table = torch.zeros(len(query_lens), max(blocks_per_row), dtype=torch.int64)
@@ -51,7 +53,9 @@ def _step(spec, context_lens, query_lens, in_place: bool, softcap, dtype=torch.f
         keys = torch.randn(context_len, kv_heads, head_size, generator=g).to(dtype)
         write_kv(kv_cache, keys, torch.randn(keys.shape, generator=g).to(dtype), slots)
     token_request = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens, strict=True)])
+    positions = torch.cat(
+        [torch.arange(c, c + q) for c, q in zip(context_lens, query_lens, strict=True)]
+    )
     rows = split_rows(context_lens, query_lens)
     decode_rows = []
     if in_place:
