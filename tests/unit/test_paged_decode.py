@@ -155,3 +155,32 @@ def test_refuses_bad_rows():
     with pytest.raises(RuntimeError, match="block id out of range"):
         cpu_paged_decode.paged_decode(query, kv_cache, bad_block, *lens, None, 1.0, None, out)
     assert spec.head_size == 32
+
+
+@needs_kernel
+def test_engine_decodes_in_place_and_matches_sdpa(tiny_decoder_llm, monkeypatch):
+    """The runner hands decodes to the kernel where it runs (a sliding-window + full model),
+    and greedy tokens equal those of the SDPA buckets (in_place_decode_len 0)."""
+    from tidepool import SamplingParams
+    from tidepool.attention import paged
+
+    llm = tiny_decoder_llm("qwen2-hybrid")
+    runner = llm.engine.model_runner
+    assert runner.in_place_decode_len == cpu_paged_decode.MAX_QUERY_LEN
+    calls = []
+    kernel = paged.cpu_paged_decode.paged_decode
+
+    def counted(*args):
+        calls.append(args[6])  # the window
+        return kernel(*args)
+
+    monkeypatch.setattr(paged.cpu_paged_decode, "paged_decode", counted)
+    prompts = ["The quick brown fox", "Paged attention stores keys and values in blocks."]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # past the window
+    in_place = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert set(calls) == {None, 16}  # both groups' layers decoded in place
+    monkeypatch.setattr(runner, "in_place_decode_len", 0)
+    calls.clear()
+    sdpa = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert not calls
+    assert in_place == sdpa
