@@ -99,8 +99,10 @@ def build_model(workload: str, layers: int) -> Path:
 
 
 class Worker:
-    def __init__(self, engine: str, python: str, argv: list[str], env: dict) -> None:
-        self.engine = engine
+    def __init__(
+        self, engine: str, python: str, argv: list[str], env: dict, name: str | None = None
+    ) -> None:
+        self.engine = name or engine
         self.proc = subprocess.Popen(
             [python, str(WORKER), "--engine", engine, *argv],
             stdin=subprocess.PIPE,
@@ -155,7 +157,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
-    parser.add_argument("--no-vllm", action="store_true", help="tidepool alone")
+    parser.add_argument("--no-vllm", action="store_true", help="no vLLM side")
+    parser.add_argument(
+        "--before-src",
+        default=None,
+        help="another tidepool tree's src/ (e.g. the main checkout's): a 'before' side",
+    )
     args = parser.parse_args()
     w = dict(WORKLOADS[args.workload])
     for key in ("requests", "new_tokens", "layers"):
@@ -188,6 +195,9 @@ def main() -> None:
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     workers = [Worker("tidepool", sys.executable, argv, env)]
+    if args.before_src:
+        before_env = dict(env, PYTHONPATH=args.before_src)
+        workers.append(Worker("tidepool", sys.executable, argv, before_env, name="before"))
     if not args.no_vllm:
         workers.append(Worker("vllm", args.vllm_python, argv, vllm_env(args.vllm_python)))
     for worker in workers:
@@ -211,26 +221,23 @@ def main() -> None:
             f"{engine:<8} median {rate:7.1f} tok/s | TTFT p50 {med['ttft_p50']:.2f} s | ITL p50 "
             f"{med['itl_p50'] * 1e3:.0f} ms p99 {med['itl_p99'] * 1e3:.0f} ms"
         )
-    if "vllm" in results:
-        ratios = [
-            (t["tokens"] / t["seconds"]) / (v["tokens"] / v["seconds"])
-            for t, v in zip(results["tidepool"], results["vllm"], strict=True)
-        ]
-        itl = [
-            t["itl_p50"] / v["itl_p50"]
-            for t, v in zip(results["tidepool"], results["vllm"], strict=True)
-        ]
-        same = sum(
-            a == b
-            for a, b in zip(
-                results["tidepool"][-1]["outputs"], results["vllm"][-1]["outputs"], strict=True
-            )
-        )
-        print(
-            f"tidepool / vLLM tokens/s: {statistics.median(ratios):.2f}x (rounds "
-            f"{' '.join(f'{x:.2f}' for x in ratios)}); ITL p50 ratio {statistics.median(itl):.2f}"
-            f"; greedy outputs equal {same}/{len(prompts)}"
-        )
+    for peer in ("vllm", "before"):
+        if peer in results:
+            compare(results["tidepool"], results[peer], peer, len(prompts))
+
+
+def compare(ours: list[dict], theirs: list[dict], peer: str, num_prompts: int) -> None:
+    ratios = [
+        (t["tokens"] / t["seconds"]) / (v["tokens"] / v["seconds"])
+        for t, v in zip(ours, theirs, strict=True)
+    ]
+    itl = [t["itl_p50"] / v["itl_p50"] for t, v in zip(ours, theirs, strict=True)]
+    same = sum(a == b for a, b in zip(ours[-1]["outputs"], theirs[-1]["outputs"], strict=True))
+    print(
+        f"tidepool / {peer} tokens/s: {statistics.median(ratios):.2f}x (rounds "
+        f"{' '.join(f'{x:.2f}' for x in ratios)}); ITL p50 ratio (tidepool / {peer}) "
+        f"{statistics.median(itl):.2f}; greedy outputs equal {same}/{num_prompts}"
+    )
 
 
 if __name__ == "__main__":
