@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from tidepool.attention.paged_metadata import (
     split_rows,
 )
 from tidepool.core.sched_output import SchedulerOutput
+from tidepool.kv_cache.spec import KVCacheSpec
 from tidepool.request import Request
 
 
@@ -137,66 +138,40 @@ def build_causal_batch(
     rows = split_rows(
         context_lens, query_lens, causal_max_len=causal_row_max_len([v.spec for v in views])
     )
-    rows, decode_rows = split_decode_rows(rows, in_place_decode_len)
     first_spec = views[0].spec
-    spans = plan_buckets(rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction)
+    plans = [_plan_rows(rows, first_spec, max_pad_fraction, in_place_decode_len)]
     reaches_end = [
         c + q >= r.num_tokens for r, c, q in zip(requests, context_lens, query_lens, strict=True)
     ]
     out_tokens: list[int] = []
-    out_rows: list[AttentionRow] = []
-    out_decode_rows: list[AttentionRow] = []
-    out_spans: list[tuple[int, int]] = []
     if output_rows_only:
         out_tokens, out_rows = output_rows_of(context_lens, query_lens, reaches_end)
-        out_rows, out_decode_rows = split_decode_rows(out_rows, in_place_decode_len)
-        out_spans = plan_buckets(
-            out_rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction
-        )
-    block_tables: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    groups, output_groups = [], []
-    for group_id, spec in views:
-        if group_id not in block_tables:
-            tables = [states[r.request_id].block_ids[group_id] for r in requests]
-            table64 = torch.from_numpy(_pad_table(tables))
-            table32 = table64.to(torch.int32) if in_place_decode_len else None
-            block_tables[group_id] = (table64, table32)
-        table, table32 = block_tables[group_id]
-        groups.append(
+        plans.append(_plan_rows(out_rows, first_spec, max_pad_fraction, in_place_decode_len))
+    tables = _block_tables(requests, states, views, int32=in_place_decode_len > 0)
+    groups = [
+        tuple(
             build_group_metadata(
-                rows,
-                spans,
-                table,
+                plan.rows,
+                plan.spans,
+                tables[group_id][0],
                 token_request,
                 positions,
                 spec,
                 dtype,
                 device,
-                decode_rows,
-                table32,
+                plan.decode_rows,
+                tables[group_id][1],
             )
+            for group_id, spec in views
         )
-        if output_rows_only:
-            output_groups.append(
-                build_group_metadata(
-                    out_rows,
-                    out_spans,
-                    table,
-                    token_request,
-                    positions,
-                    spec,
-                    dtype,
-                    device,
-                    out_decode_rows,
-                    table32,
-                )
-            )
+        for plan in plans
+    ]
     attn_metadata = PagedAttentionMetadata(
         num_tokens,
-        tuple(groups),
+        groups[0],
         layer_views,
         torch.tensor(out_tokens, dtype=torch.int64).to(device) if output_rows_only else None,
-        tuple(output_groups),
+        groups[1] if output_rows_only else (),
     )
     return CausalBatch(
         requests=requests,
@@ -208,6 +183,36 @@ def build_causal_batch(
         attn_metadata=attn_metadata,
         reaches_end=reaches_end,
     )
+
+
+class _RowPlan(NamedTuple):
+    rows: list[AttentionRow]
+    """Rows for the SDPA buckets."""
+    spans: list[tuple[int, int]]
+    decode_rows: list[AttentionRow]
+    """Rows for the in-place kernel."""
+
+
+def _plan_rows(
+    rows: list[AttentionRow], spec: KVCacheSpec, max_pad_fraction: float, in_place_len: int
+) -> _RowPlan:
+    bucketed, in_place = split_decode_rows(rows, in_place_len)
+    spans = plan_buckets(bucketed, spec.block_size, spec.num_kv_heads, max_pad_fraction)
+    return _RowPlan(bucketed, spans, in_place)
+
+
+def _block_tables(
+    requests: list[Request], states: RequestStates, views: Sequence[AttentionView], int32: bool
+) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """group id → its [requests, max_blocks] block table, int64 (and int32 for the kernel)."""
+    out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for group_id, _ in views:
+        if group_id not in out:
+            table = torch.from_numpy(
+                _pad_table([states[r.request_id].block_ids[group_id] for r in requests])
+            )
+            out[group_id] = (table, table.to(torch.int32) if int32 else None)
+    return out
 
 
 def _token_layout(
