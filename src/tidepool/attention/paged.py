@@ -5,7 +5,9 @@ KV cache of one layer, head-major inside each KV-cache tensor:
 
     kv_cache [2, num_kv_heads, num_blocks, block_size, head_size]     (K = [0], V = [1])
 
-Block b of the layer is the slice [:, :, b]. A decode step gathers each request's blocks with one
+Block b of the layer is the slice [:, :, b]. On CPU, rows of a few queries (decodes) read their
+blocks in place (cpu_paged_decode.py, where it builds); elsewhere, and for the SDPA buckets, a
+step gathers each request's blocks with one
 `index_select` along the block axis of a [2 * num_kv_heads, num_blocks, block_size * head_size]
 view: contiguous rows of block_size * head_size values, and the result is already the
 [heads * seqs, keys, head_size] layout that attention wants. Measured on the 2-core CPU, 64 decodes

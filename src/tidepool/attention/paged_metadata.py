@@ -26,6 +26,12 @@ once per step. Masks are additive (0 / -inf): key k is visible to the query at p
 k <= p (and k > p - sliding_window). Keys past a row's end read the null block or stale values of
 the row's last block; both are finite (the cache is zero-initialised), and the mask hides them.
 A sliding-window group gathers from the block of a row's first visible key, not from block 0.
+
+Where the runner says so (CPU, the in-place kernel built: worker/input_batch.py), non-causal rows
+of a few queries (decodes, short prompts, the output rows) skip the buckets altogether
+(split_decode_rows): GroupAttentionMetadata.decode lists them with their block tables and
+lengths, and attention/cpu_paged_decode.py reads their keys from the cache blocks in place, with
+the same visibility rule computed per key (no padding, no mask, no gather).
 """
 
 from __future__ import annotations
