@@ -14,6 +14,7 @@ from tidepool.worker.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
+    top_k_candidates,
 )
 
 VOCAB = 8
@@ -143,3 +144,37 @@ def test_sampling_params_validation():
     ]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**bad)
+
+
+def test_top_k_candidates_keep_what_the_mask_keeps():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 1000, generator=g)
+    logits[3, :6] = torch.tensor([9.0, 8.0, 8.0, 8.0, 7.0, 7.0])  # ties at the k-th, inside
+    top_k = torch.randint(1, 40, (16,), generator=g)
+    top_k[3] = 3
+    candidates = top_k_candidates(logits, top_k)
+    assert candidates is not None
+    values, ids = candidates
+    masked = apply_top_k_top_p(logits, top_k, None)
+    for row in range(16):
+        kept = set(ids[row][torch.isfinite(values[row])].tolist())
+        assert kept == set(torch.isfinite(masked[row]).nonzero().squeeze(1).tolist())
+        assert torch.equal(
+            values[row][torch.isfinite(values[row])],
+            logits[row, sorted(kept)].sort(descending=True).values,
+        )
+    assert torch.isfinite(values[3]).sum() == 4  # k = 3: the three 8.0s tie, all kept
+    # A tie reaching the last candidate (or k near the vocabulary): undecidable, None.
+    assert top_k_candidates(logits[3:4], torch.tensor([2])) is None  # 8.0 x 3, width 3
+    assert top_k_candidates(logits, torch.full((16,), 600)) is None
+
+
+def test_top_k_sampling_follows_the_renormalized_distribution():
+    logits = _logits(*[[2.0, 1.0, 0.0, 5.0, -1.0, -2.0, -3.0, -4.0]] * 6000)
+    params = [SamplingParams(temperature=1.0, top_k=3)] * 6000
+    tokens = torch.tensor(Sampler()(logits.clone(), _meta(params)).token_ids)
+    expected = torch.softmax(torch.tensor([5.0, 2.0, 1.0]), -1)
+    for token, p in zip([3, 0, 1], expected.tolist(), strict=True):
+        freq = (tokens == token).float().mean().item()
+        assert abs(freq - p) < 4 * (p * (1 - p) / 6000) ** 0.5, (token, freq, p)
+    assert set(tokens.tolist()) == {0, 1, 3}

@@ -5,7 +5,9 @@ KV cache of one layer, head-major inside each KV-cache tensor:
 
     kv_cache [2, num_kv_heads, num_blocks, block_size, head_size]     (K = [0], V = [1])
 
-Block b of the layer is the slice [:, :, b]. A decode step gathers each request's blocks with one
+Block b of the layer is the slice [:, :, b]. On CPU, rows of a few queries (decodes) read their
+blocks in place (cpu_paged_decode.py, where it builds); elsewhere, and for the SDPA buckets, a
+step gathers each request's blocks with one
 `index_select` along the block axis of a [2 * num_kv_heads, num_blocks, block_size * head_size]
 view: contiguous rows of block_size * head_size values, and the result is already the
 [heads * seqs, keys, head_size] layout that attention wants. Measured on the 2-core CPU, 64 decodes
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tidepool.attention import cpu_decoder_ops
+from tidepool.attention import cpu_decoder_ops, cpu_paged_decode
 from tidepool.attention.paged_metadata import GroupAttentionMetadata, PagedBucket
 from tidepool.kv_cache.spec import KVCacheConfig, KVCacheSpec
 
@@ -49,15 +51,31 @@ def paged_attention(
     """query [T, Hq, D], key / value [T, Hkv, D] of this step's tokens → [T, Hq * D].
 
     Writes this step's K/V into the cache first, then each bucket reads every key it needs
-    (earlier chunks, prefix-cache hits and this step's tokens alike) from the cache.
+    (earlier chunks, prefix-cache hits and this step's tokens alike) from the cache; the rows of
+    `meta.decode` (a few queries each) read their keys from the cache blocks in place
+    (cpu_paged_decode.py), no gather.
     `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask and the
     softmax; SDPA has no such hook, so capped layers take an explicit matmul-softmax-matmul path.
     """
     write_kv(kv_cache, key, value, meta.slot_mapping)
     num_tokens, num_heads, head_size = query.shape
-    if len(meta.buckets) == 1:
+    if len(meta.buckets) == 1 and meta.decode is None:
         return _attend(query, key, value, kv_cache, meta.buckets[0], scale, softcap)
     out = query.new_empty(num_tokens, num_heads * head_size)
+    if meta.decode is not None:
+        rows = meta.decode
+        cpu_paged_decode.paged_decode(
+            query,
+            kv_cache,
+            rows.block_table,
+            rows.seq_lens,
+            rows.query_starts,
+            rows.query_lens,
+            rows.window,
+            scale,
+            softcap,
+            out,
+        )
     for bucket in meta.buckets:
         out[bucket.start : bucket.end] = _attend(
             query, key, value, kv_cache, bucket, scale, softcap

@@ -26,6 +26,12 @@ once per step. Masks are additive (0 / -inf): key k is visible to the query at p
 k <= p (and k > p - sliding_window). Keys past a row's end read the null block or stale values of
 the row's last block; both are finite (the cache is zero-initialised), and the mask hides them.
 A sliding-window group gathers from the block of a row's first visible key, not from block 0.
+
+Where the runner says so (CPU, the in-place kernel built: worker/input_batch.py), non-causal rows
+of a few queries (decodes, short prompts, the output rows) skip the buckets altogether
+(split_decode_rows): GroupAttentionMetadata.decode lists them with their block tables and
+lengths, and attention/cpu_paged_decode.py reads their keys from the cache blocks in place, with
+the same visibility rule computed per key (no padding, no mask, no gather).
 """
 
 from __future__ import annotations
@@ -94,12 +100,30 @@ class PagedBucket:
 
 
 @dataclass(frozen=True)
+class PagedDecodeRows:
+    """Rows of a few queries each that read the cache in place (cpu_paged_decode.py): row r's
+    queries are flat tokens query_starts[r] .. + query_lens[r], the last of its seq_lens[r] keys,
+    whose blocks are block_table[r] (the group's own table: a sliding window reads from the block
+    of its first visible key). int32 CPU tensors."""
+
+    block_table: torch.Tensor
+    """[rows, max_blocks] int32 (0, the null block, past each row's end)."""
+    seq_lens: torch.Tensor
+    query_starts: torch.Tensor
+    query_lens: torch.Tensor
+    window: int | None
+    """The group's sliding window (None: full attention)."""
+
+
+@dataclass(frozen=True)
 class GroupAttentionMetadata:
     """One KV-cache group's view of the step (its block tables differ from other groups')."""
 
     slot_mapping: torch.Tensor
     """[num_tokens] int64: cache slot (block_id * block_size + offset) each new token's KV goes to."""
     buckets: tuple[PagedBucket, ...]
+    decode: PagedDecodeRows | None = None
+    """Rows outside the buckets that the in-place kernel attends (None: none)."""
 
 
 class AttentionView(NamedTuple):
@@ -233,9 +257,13 @@ def build_group_metadata(
     spec: KVCacheSpec,
     dtype: torch.dtype,
     device: torch.device,
+    decode_rows: Sequence[AttentionRow] = (),
+    block_table_i32: torch.Tensor | None = None,
 ) -> GroupAttentionMetadata:
     """block_table: [num_requests, max_blocks] int64 (0-padded); token_request / positions:
-    [num_tokens] request index and position of each flat token (CPU tensors)."""
+    [num_tokens] request index and position of each flat token (CPU tensors). `decode_rows`:
+    rows (not in `rows`) for the in-place kernel (split_decode_rows); `block_table_i32`, the
+    same table as int32, saves converting it again for each group view."""
     block_size = spec.block_size
     block_ids = block_table[token_request, torch.div(positions, block_size, rounding_mode="floor")]
     slot_mapping = block_ids * block_size + positions % block_size
@@ -244,7 +272,36 @@ def build_group_metadata(
         _make_bucket(rows[i:j], block_table, spec.num_kv_heads, block_size, window, dtype, device)
         for i, j in spans
     )
-    return GroupAttentionMetadata(slot_mapping.to(device, non_blocking=True), buckets)
+    decode = None
+    if decode_rows:
+        if block_table_i32 is None:
+            block_table_i32 = block_table.to(torch.int32)
+        decode = _decode_rows(decode_rows, block_table_i32, window)
+    return GroupAttentionMetadata(slot_mapping.to(device, non_blocking=True), buckets, decode)
+
+
+def split_decode_rows(
+    rows: Sequence[AttentionRow], max_query_len: int
+) -> tuple[list[AttentionRow], list[AttentionRow]]:
+    """(rows for the SDPA buckets, rows for the in-place kernel): the kernel takes every
+    non-causal row of at most `max_query_len` queries."""
+    bucketed: list[AttentionRow] = []
+    in_place: list[AttentionRow] = []
+    for row in rows:
+        (in_place if not row.causal and row.query_len <= max_query_len else bucketed).append(row)
+    return bucketed, in_place
+
+
+def _decode_rows(
+    rows: Sequence[AttentionRow], block_table: torch.Tensor, window: int | None
+) -> PagedDecodeRows:
+    index = [r.request_index for r in rows]
+    identity = index == list(range(block_table.shape[0]))
+    table = block_table if identity else block_table[torch.tensor(index)]
+    fields = torch.tensor(
+        [(r.seq_len, r.token_start, r.query_len) for r in rows], dtype=torch.int32
+    ).T.contiguous()
+    return PagedDecodeRows(table.contiguous(), fields[0], fields[1], fields[2], window)
 
 
 def _make_bucket(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -24,9 +24,11 @@ from tidepool.attention.paged_metadata import (
     causal_row_max_len,
     output_rows_of,
     plan_buckets,
+    split_decode_rows,
     split_rows,
 )
 from tidepool.core.sched_output import SchedulerOutput
+from tidepool.kv_cache.spec import KVCacheSpec
 from tidepool.request import Request
 
 
@@ -114,9 +116,13 @@ def build_causal_batch(
     device: torch.device,
     max_pad_fraction: float,
     output_rows_only: bool = False,
+    in_place_decode_len: int = 0,
 ) -> CausalBatch:
     """`output_rows_only`: the step reads only finishing requests' last tokens (sampling, LAST
-    pooling): the metadata carries them (PagedAttentionMetadata.output_rows)."""
+    pooling): the metadata carries them (PagedAttentionMetadata.output_rows).
+    `in_place_decode_len`: rows of at most this many queries (decodes, short prompts, the output
+    rows) read the cache in place (attention/cpu_paged_decode.py) instead of SDPA buckets; 0:
+    none."""
     requests = _flat_order(sched_out)
     query_lens = [sched_out.num_scheduled_tokens[r.request_id] for r in requests]
     context_lens = [r.num_computed_tokens for r in requests]
@@ -127,52 +133,45 @@ def build_causal_batch(
         )
     )
     num_tokens = len(input_ids)
-    query_lens_t = torch.tensor(query_lens)
-    cu = torch.zeros(len(requests) + 1, dtype=torch.int64)
-    torch.cumsum(query_lens_t, 0, out=cu[1:])
-    # position of flat token t of request i = t - cu[i] + context_lens[i]
-    offsets = torch.repeat_interleave(torch.tensor(context_lens) - cu[:-1], query_lens_t)
-    positions = torch.arange(num_tokens) + offsets
-    token_request = torch.repeat_interleave(torch.arange(len(requests)), query_lens_t)
+    cu, positions, token_request = _token_layout(query_lens, context_lens, num_tokens)
 
     rows = split_rows(
         context_lens, query_lens, causal_max_len=causal_row_max_len([v.spec for v in views])
     )
     first_spec = views[0].spec
-    spans = plan_buckets(rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction)
+    plans = [_plan_rows(rows, first_spec, max_pad_fraction, in_place_decode_len)]
     reaches_end = [
         c + q >= r.num_tokens for r, c, q in zip(requests, context_lens, query_lens, strict=True)
     ]
     out_tokens: list[int] = []
-    out_rows: list[AttentionRow] = []
-    out_spans: list[tuple[int, int]] = []
     if output_rows_only:
         out_tokens, out_rows = output_rows_of(context_lens, query_lens, reaches_end)
-        out_spans = plan_buckets(
-            out_rows, first_spec.block_size, first_spec.num_kv_heads, max_pad_fraction
-        )
-    block_tables: dict[int, torch.Tensor] = {}
-    groups, output_groups = [], []
-    for group_id, spec in views:
-        if group_id not in block_tables:
-            tables = [states[r.request_id].block_ids[group_id] for r in requests]
-            block_tables[group_id] = torch.from_numpy(_pad_table(tables))
-        table = block_tables[group_id]
-        groups.append(
-            build_group_metadata(rows, spans, table, token_request, positions, spec, dtype, device)
-        )
-        if output_rows_only:
-            output_groups.append(
-                build_group_metadata(
-                    out_rows, out_spans, table, token_request, positions, spec, dtype, device
-                )
+        plans.append(_plan_rows(out_rows, first_spec, max_pad_fraction, in_place_decode_len))
+    tables = _block_tables(requests, states, views, int32=in_place_decode_len > 0)
+    groups = [
+        tuple(
+            build_group_metadata(
+                plan.rows,
+                plan.spans,
+                tables[group_id][0],
+                token_request,
+                positions,
+                spec,
+                dtype,
+                device,
+                plan.decode_rows,
+                tables[group_id][1],
             )
+            for group_id, spec in views
+        )
+        for plan in plans
+    ]
     attn_metadata = PagedAttentionMetadata(
         num_tokens,
-        tuple(groups),
+        groups[0],
         layer_views,
         torch.tensor(out_tokens, dtype=torch.int64).to(device) if output_rows_only else None,
-        tuple(output_groups),
+        groups[1] if output_rows_only else (),
     )
     return CausalBatch(
         requests=requests,
@@ -184,6 +183,56 @@ def build_causal_batch(
         attn_metadata=attn_metadata,
         reaches_end=reaches_end,
     )
+
+
+class _RowPlan(NamedTuple):
+    rows: list[AttentionRow]
+    """Rows for the SDPA buckets."""
+    spans: list[tuple[int, int]]
+    decode_rows: list[AttentionRow]
+    """Rows for the in-place kernel."""
+
+
+def _plan_rows(
+    rows: list[AttentionRow], spec: KVCacheSpec, max_pad_fraction: float, in_place_len: int
+) -> _RowPlan:
+    bucketed, in_place = split_decode_rows(rows, in_place_len)
+    spans = plan_buckets(bucketed, spec.block_size, spec.num_kv_heads, max_pad_fraction)
+    return _RowPlan(bucketed, spans, in_place)
+
+
+def _block_tables(
+    requests: list[Request], states: RequestStates, views: Sequence[AttentionView], int32: bool
+) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """group id → its [requests, max_blocks] block table, int64 (and int32 for the kernel)."""
+    out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for group_id, _ in views:
+        if group_id not in out:
+            table = torch.from_numpy(
+                _pad_table([states[r.request_id].block_ids[group_id] for r in requests])
+            )
+            out[group_id] = (table, table.to(torch.int32) if int32 else None)
+    return out
+
+
+def _token_layout(
+    query_lens: list[int], context_lens: list[int], num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_query_lens [requests + 1], position [tokens], request index [tokens]), int64 CPU
+    tensors. numpy's repeat, not torch.repeat_interleave: the latter took ~6 ms a call at 64
+    decodes on the 2-core machine (two calls: ~1% of a decode step)."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    cu = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(q, out=cu[1:])
+    context = np.asarray(context_lens, dtype=np.int64)
+    if num_tokens == len(query_lens):  # decodes only: one token per request
+        token_request = np.arange(num_tokens, dtype=np.int64)
+        positions = context
+    else:
+        token_request = np.repeat(np.arange(len(query_lens), dtype=np.int64), q)
+        # position of flat token t of request i = t - cu[i] + context_lens[i]
+        positions = np.arange(num_tokens, dtype=np.int64) + (context - cu[:-1])[token_request]
+    return torch.from_numpy(cu), torch.from_numpy(positions), torch.from_numpy(token_request)
 
 
 def _pad_table(tables: list[list[int]]) -> np.ndarray:

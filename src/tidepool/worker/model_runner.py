@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import torch
 
+from tidepool.attention import cpu_paged_decode
 from tidepool.attention.metadata import build_encoder_metadata
 from tidepool.attention.paged import allocate_kv_caches
 from tidepool.attention.paged_metadata import AttentionView
@@ -97,6 +98,9 @@ class ModelRunner:
         self.attention_views: tuple[AttentionView, ...] = ()
         self.layer_groups: tuple[int, ...] = ()
         """Layer index (among KV-cache layers) → its attention view."""
+        self.in_place_decode_len = 0
+        """Rows of at most this many queries read the KV cache in place (0: every row in SDPA
+        buckets): cpu_paged_decode.MAX_QUERY_LEN where its kernel runs this cache."""
         self.states = RequestStates(device=self.device)
         self.sampler = Sampler() if config.model.runner_type == "generate" else None
         if config.model.is_causal:
@@ -139,6 +143,11 @@ class ModelRunner:
             views[AttentionView(group_of[name], specs[name])] for name in names
         )
         self.kv_cache_config = kv_config
+        if all(
+            cpu_paged_decode.supports(self.device, spec.dtype, spec.head_size)
+            for _, spec in self.attention_views
+        ):
+            self.in_place_decode_len = cpu_paged_decode.MAX_QUERY_LEN
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), %d group(s)",
             kv_config.num_blocks,
@@ -171,6 +180,7 @@ class ModelRunner:
             self.device,
             CAUSAL_MAX_PAD_FRACTION,
             output_rows_only=self._reads_last_rows_only(sched_out),
+            in_place_decode_len=self.in_place_decode_len,
         )
         model = cast(DecoderModel, self.model)  # _check_contract: causal → DecoderModel
         hidden = model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)

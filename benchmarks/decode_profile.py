@@ -1,0 +1,167 @@
+"""Where a decode step's time goes, end to end: schedule, input preparation, model (attention
+apart), sampling, the scheduler's update, output processing (detokenization), the rest.
+
+A random Llama (benchmarks/random_decoder.py) generates --new-tokens tokens for --requests
+token-id prompts of --min-prompt..--max-prompt tokens, greedy, EOS ignored; every piece of the
+engine's step is wrapped with a timer, and the steps that are decodes only (one token per
+request) are reported: milliseconds per step, median over the run, per piece and as a share.
+
+    python benchmarks/decode_profile.py [--hidden-size 1024 --layers 8 --heads 16 --kv-heads 8
+        --intermediate 3072] [--requests 64] [--new-tokens 64] [--sampling greedy|top-k|top-p]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+# tidepool sets OpenMP's wait policy when imported, before torch loads.
+import tidepool  # noqa: F401
+
+# isort: split
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from random_decoder import build_random_decoder  # noqa: E402
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.step: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+
+    @contextmanager
+    def time(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.step[name] += time.perf_counter() - start
+
+    def wrap(self, owner, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            with self.time(name):
+                return original(*args, **kwargs)
+
+        setattr(owner, attribute, timed)
+
+
+def instrument(llm, timers: Timers) -> None:
+    from tidepool.attention import paged
+    from tidepool.worker import model_runner as runner_module
+
+    engine = llm.llm_engine
+    core, runner = engine.core, engine.core.model_runner
+    timers.wrap(core.scheduler, "schedule", "schedule")
+    timers.wrap(core.scheduler, "update", "scheduler update")
+    timers.wrap(runner_module, "build_causal_batch", "input preparation")
+    timers.wrap(runner, "_sample", "logits + sampling")
+    timers.wrap(paged, "paged_attention", "attention (in model)")
+    timers.wrap(runner, "execute", "runner execute")
+    timers.wrap(engine.output_processor, "process", "output processing")
+    step = engine.step
+
+    def timed_step():
+        timers.step = defaultdict(float)
+        start = time.perf_counter()
+        sched = core.scheduler
+        decode_only = (
+            bool(sched.running)
+            and not sched.waiting
+            and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+        )
+        out = step()
+        timers.step["step"] = time.perf_counter() - start
+        if decode_only:
+            timers.steps.append(dict(timers.step))
+        return out
+
+    engine.step = timed_step
+
+
+def report(timers: Timers) -> None:
+    steps = timers.steps
+    if not steps:
+        print("no decode-only steps")
+        return
+    med = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in steps[0]}
+    total = med["step"]
+    execute = med.get("runner execute", 0.0)
+    model = execute - med.get("input preparation", 0) - med.get("logits + sampling", 0)
+    rows = [
+        ("schedule", med.get("schedule", 0)),
+        ("input preparation", med.get("input preparation", 0)),
+        ("model (all layers)", model),
+        ("  of which attention", med.get("attention (in model)", 0)),
+        ("logits + sampling", med.get("logits + sampling", 0)),
+        ("scheduler update", med.get("scheduler update", 0)),
+        ("output processing", med.get("output processing", 0)),
+    ]
+    accounted = sum(v for name, v in rows if not name.startswith(" "))
+    rows.append(("rest (driver, routing)", total - accounted))
+    print(f"decode-only steps: {len(steps)}; median step {total * 1e3:.2f} ms")
+    for name, value in rows:
+        print(f"  {name:<26} {value * 1e3:8.2f} ms  {100 * value / total:5.1f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=3072)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=20)
+    parser.add_argument("--max-prompt", type=int, default=300)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--sampling", default="greedy", choices=["greedy", "top-k", "top-p"])
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tidepool import LLM, SamplingParams
+
+    path = build_random_decoder(
+        "LlamaForCausalLM",
+        args.hidden_size,
+        args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+    )
+    rng = random.Random(0)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n)]}
+        for n in (rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.requests))
+    ]
+    sampling = {"greedy": {"temperature": 0.0}, "top-k": {"top_k": 50}, "top-p": {"top_p": 0.9}}
+    params = SamplingParams(
+        max_tokens=args.new_tokens, ignore_eos=True, seed=None, **sampling[args.sampling]
+    )
+    llm = LLM(str(path), dtype="float32", enable_prefix_caching=False)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    timers = Timers()
+    instrument(llm, timers)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    print(
+        f"{path.name}: {args.requests} requests x {args.new_tokens} new tokens, "
+        f"{args.sampling}, threads={torch.get_num_threads()}: {elapsed:.2f} s, "
+        f"{args.requests * args.new_tokens / elapsed:.1f} tok/s"
+    )
+    report(timers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""tidepool's CPU decode attention over the paged KV cache (csrc/cpu_paged_decode.cpp): rows of a
+few queries (a decode's one token, short prompts, a prefill's last token in the output-rows
+layer) read their keys and values from the cache blocks in place, one task per (row, KV head),
+GQA heads sharing every K / V load, sliding windows reading only their window's blocks, Gemma 2's
+soft-capping inside. The planner (paged_metadata.py) hands such rows to it as `PagedDecodeRows`;
+everything else keeps the SDPA buckets.
+
+Why: the SDPA path gathers every block a decode reads into a padded copy each layer and step
+(`index_select`), builds an additive mask, and runs SDPA per bucket; reading in place moves each
+cached K / V byte once (docs/performance.md, "Decode").
+
+Built on first use with torch's C++ extension loader (attention/cpu_kernels.build_extension,
+cached under TORCH_EXTENSIONS_DIR) for AVX2 + FMA, so it runs on AVX2-only CPUs (AMD Zen 2/3) as
+well as on AVX-512 ones. Where the CPU lacks them or the build fails, `load()` says why once and
+returns None, and decodes keep the SDPA buckets. TIDEPOOL_CPU_ATTENTION=sdpa turns it off (one
+switch for tidepool's hand-written CPU code), =native makes a failure an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+from tidepool import envs
+from tidepool.attention import cpu_kernels
+
+logger = logging.getLogger("tidepool")
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_paged_decode.cpp"
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-std=c++17", "-fopenmp"]
+_REQUIRED_FLAGS = ("avx2", "fma")
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_QUERY_LEN = 16
+"""Rows of at most this many queries take the kernel; longer ones are GEMM-shaped (SDPA)."""
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_has_avx2_fma() -> tuple[bool, str]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False, f"the CPU is {platform.machine()}, not x86-64"
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False, "cannot read /proc/cpuinfo to check for AVX2 and FMA"
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
+        [],
+    )
+    missing = [f for f in _REQUIRED_FLAGS if f not in flags]
+    if missing:
+        return False, f"the CPU lacks {', '.join(missing)}"
+    return True, ""
+
+
+def _compile() -> object:
+    cpu_kernels.build_extension(_SOURCE, "tidepool_paged_decode", _CFLAGS)
+    return torch.ops.tidepool_paged.paged_decode
+
+
+def _build() -> object | None:
+    mode = envs.cpu_attention()
+    if mode == "sdpa":
+        return None
+    what = "tidepool's CPU paged decode kernel"
+    ok, why = _cpu_has_avx2_fma()
+    if ok:
+        try:
+            return _compile()
+        except Exception as e:  # a missing compiler / ninja, a failed build
+            why = f"building {_SOURCE.name} failed: {type(e).__name__}: {e}"
+    if mode == "native":
+        raise RuntimeError(f"TIDEPOOL_CPU_ATTENTION=native, but {what} is unusable: {why}")
+    logger.warning("%s is off (%s); decodes use SDPA over gathered blocks", what, why)
+    return None
+
+
+def load() -> object | None:
+    """The `paged_decode` op, built and loaded on first call; None where it cannot run."""
+    if "op" not in _state:
+        with _lock:
+            if "op" not in _state:
+                _state["op"] = _build()
+    return _state["op"]
+
+
+def supports(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
+    """Whether the kernel runs this cache here (builds it on first call: call at load time)."""
+    if device.type != "cpu" or dtype not in DTYPES or head_size % 8:
+        return False
+    return load() is not None
+
+
+def paged_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    window: int | None,
+    scale: float,
+    softcap: float | None,
+    out: torch.Tensor,
+) -> None:
+    """query [T, Hq, D] (D contiguous); kv_cache [2, Hkv, num_blocks, block_size, D]; row r's
+    queries query[query_starts[r] + i], i < query_lens[r], are the last of its seq_lens[r] keys
+    (block_table [R, W] int32, the rest int32 [R]) → out[query_starts[r] + i] ([T', Hq * D]);
+    other rows of `out` are left alone. `window`: a sliding window (None: full attention)."""
+    op = load()
+    assert op is not None, "check supports() first"
+    op(
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_starts,
+        query_lens,
+        window or 0,
+        scale,
+        softcap or 0.0,
+        out,
+    )
