@@ -19,20 +19,17 @@ switch for tidepool's hand-written CPU code), =native makes a failure an error.
 from __future__ import annotations
 
 import logging
-import platform
 import threading
 from pathlib import Path
 
 import torch
 
-from tidepool import envs
-from tidepool.attention import cpu_kernels
+from tidepool.attention import cpu_features, cpu_kernels
 
 logger = logging.getLogger("tidepool")
 
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_paged_decode.cpp"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-std=c++17", "-fopenmp"]
-_REQUIRED_FLAGS = ("avx2", "fma")
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_QUERY_LEN = 16
 """Rows of at most this many queries take the kernel; longer ones are GEMM-shaped (SDPA)."""
@@ -41,43 +38,22 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_has_avx2_fma() -> tuple[bool, str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False, f"the CPU is {platform.machine()}, not x86-64"
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False, "cannot read /proc/cpuinfo to check for AVX2 and FMA"
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
-        [],
-    )
-    missing = [f for f in _REQUIRED_FLAGS if f not in flags]
-    if missing:
-        return False, f"the CPU lacks {', '.join(missing)}"
-    return True, ""
-
-
-def _compile() -> object:
+def _compile(isa: str) -> object:
     cpu_kernels.build_extension(_SOURCE, "tidepool_paged_decode", _CFLAGS)
     return torch.ops.tidepool_paged.paged_decode
 
 
 def _build() -> object | None:
-    mode = envs.cpu_attention()
-    if mode == "sdpa":
-        return None
-    what = "tidepool's CPU paged decode kernel"
-    ok, why = _cpu_has_avx2_fma()
-    if ok:
-        try:
-            return _compile()
-        except Exception as e:  # a missing compiler / ninja, a failed build
-            why = f"building {_SOURCE.name} failed: {type(e).__name__}: {e}"
-    if mode == "native":
-        raise RuntimeError(f"TIDEPOOL_CPU_ATTENTION=native, but {what} is unusable: {why}")
-    logger.warning("%s is off (%s); decodes use SDPA over gathered blocks", what, why)
-    return None
+    """The kernel where the CPU has AVX2 + FMA (and TIDEPOOL_CPU_ISA allows them: its one
+    build runs on every level from avx2 up), through the kernels' shared builder."""
+    isa = "avx2" if cpu_features.usable("avx2") else None
+    return cpu_kernels.build_or_fall_back(
+        _compile,
+        _SOURCE.name,
+        "tidepool's CPU paged decode kernel",
+        "SDPA over gathered blocks for decodes",
+        isa,
+    )
 
 
 def load() -> object | None:
