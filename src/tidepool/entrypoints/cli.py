@@ -241,7 +241,21 @@ def _add_embed_parser(subparsers: Any) -> None:
         default=None,
         help="Matryoshka truncation (default: the model's full embedding)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="start again, do not resume")
+    parser.add_argument(
+        "--prompt-name",
+        default=None,
+        help="one of the model's prompts put before each text (default: its default prompt)",
+    )
+    parser.add_argument(
+        "--no-normalize",
+        action="store_true",
+        help="keep the embeddings unnormalized (default: as the model's modules say)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start again, do not resume (a rerun with other settings is refused without it)",
+    )
     parser.add_argument(
         "--on-error",
         choices=ON_ERROR,
@@ -296,16 +310,32 @@ def cmd_embed(args: argparse.Namespace) -> int:
     if args.ray is not None and not args.demo:  # the input may be a folder or a URI there
         if args.rows_per_file < 1:
             raise SystemExit("error: --rows-per-file must be >= 1")
+        if args.prompt_name is not None or args.no_normalize:
+            raise SystemExit("error: --prompt-name and --no-normalize are not supported with --ray")
         return cmd_embed_ray(args, _model_arg(args), _engine_kwargs(args))
     if isinstance(args.input, str) or isinstance(args.output, str):
         raise SystemExit("error: URIs (s3://, gs://, ...) need --ray; give local paths")
-    if args.input is not None and not args.input.is_file():
-        raise SystemExit(f"error: no input file {args.input}")
+    if not args.demo and (error := _local_path_error(args.input, args.output)):
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     llm = LLM(_model_arg(args), **_engine_kwargs(args))
     if args.demo:
         run_demo(llm, args.num_demo_texts)
         return 0
     return _run_local_job(llm, args)
+
+
+def _local_path_error(input_path: Path, output: Path) -> str | None:
+    """Checked before the model loads: why the input or output cannot work, if it cannot."""
+    from tidepool.jobs.formats import JobError
+    from tidepool.jobs.local import check_input_path, check_output_path
+
+    try:
+        check_input_path(input_path)
+        check_output_path(output)
+    except JobError as e:
+        return str(e)
+    return None
 
 
 def _run_local_job(llm: Any, args: argparse.Namespace) -> int:
@@ -320,6 +350,8 @@ def _run_local_job(llm: Any, args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         truncate_prompt_tokens=None if args.no_truncate else args.truncate_prompt_tokens,
         dimensions=args.dimensions,
+        normalize=False if args.no_normalize else None,
+        prompt_name=args.prompt_name,
         overwrite=args.overwrite,
         progress=not args.no_progress,
         on_error=args.on_error,
@@ -328,6 +360,10 @@ def _run_local_job(llm: Any, args: argparse.Namespace) -> int:
         result = run_embed_job(llm, job)
     except JobError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the disk, not the job: full, read-only, gone
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     print(f"embedded {result.num_embedded} rows into {args.output}")
     if result.stopped_at is not None:
