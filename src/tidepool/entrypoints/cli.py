@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tidepool import envs
 from tidepool.entrypoints.cli_args import (
     _add_engine_args,
     _engine_kwargs,
@@ -27,6 +26,7 @@ from tidepool.entrypoints.cli_parts import (
     add_example_models_parser,
     add_shared_work_args,
     exposure_warning,
+    serve_api_key,
     shared_work_options,
 )
 from tidepool.jobs.local import ON_ERROR
@@ -148,7 +148,11 @@ def _add_admission_args(parser: argparse.ArgumentParser) -> None:
 def _served_names(args: argparse.Namespace, models: list[str]) -> list[list[str]]:
     """Each model's served names: one --served-model-name group per model, or (several models)
     one group with a name per model; none: the model argument."""
+    from tidepool.entrypoints.openai.served_models import check_served_name
+
     groups = args.served_model_name_groups
+    for name in [n for group in groups or [] for n in group]:
+        check_served_name(name)  # ValueError: one line, before any model loads
     if not groups:
         return [[model] for model in models]
     if len(groups) == len(models):
@@ -169,7 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     models = _model_args(args)
     names = _served_names(args, models)
-    args.api_key = args.api_key or envs.api_key()
+    args.api_key = serve_api_key(args.api_key)  # checked before any model loads
     engines = load_engines(
         models, names, shared_work=shared_work_options(args), **_engine_kwargs(args)
     )

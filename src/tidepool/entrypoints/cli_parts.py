@@ -5,6 +5,7 @@ the `example-models` subcommand."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,20 @@ def shared_work_options(args: argparse.Namespace) -> SharedWorkOptions:
     return SharedWorkOptions(
         share_in_flight=not args.disable_shared_work, cache_size=args.embedding_cache_size
     )
+
+
+def serve_api_key(flag: str | None) -> str | None:
+    """`serve`'s key: --api-key, else TIDEPOOL_API_KEY (envs.api_key's variable, read here as
+    set, so that an empty one is refused instead of read as none), else None. ValueError for an
+    empty key or one with whitespace around it (middleware.check_api_key)."""
+    from tidepool.entrypoints.openai.middleware import check_api_key
+
+    if flag is not None:
+        return check_api_key(flag, "--api-key")
+    from_env = os.environ.get("TIDEPOOL_API_KEY")
+    if from_env is not None:
+        return check_api_key(from_env, "TIDEPOOL_API_KEY")
+    return None
 
 
 ALL_INTERFACES = ("", "0.0.0.0", "::", "[::]")
