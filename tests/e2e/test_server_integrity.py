@@ -92,3 +92,27 @@ def test_cohere_output_dimension_too_large_names_it(client) -> None:
 def test_keys_are_checked(client) -> None:
     assert client.post("/v1/embeddings", json={"input": "a"}).status_code == 401
     assert client.post("/v1/embeddings", json={"input": "a"}, headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("flags", "max_bytes", "max_entries"),
+    [
+        ([], 0, None),
+        (["--embedding-cache-size", "100"], 256 << 20, 100),
+        (["--embedding-cache-bytes", "512MiB"], 512 << 20, None),
+        (["--embedding-cache-bytes", "2GB", "--embedding-cache-size", "10"], 2 * 10**9, 10),
+        (["--embedding-cache-bytes", "1048576"], 1 << 20, None),
+        (["--embedding-cache-bytes", "0", "--embedding-cache-size", "10"], 0, 10),
+    ],
+)
+def test_cache_flags(flags, max_bytes, max_entries) -> None:
+    from tidepool.entrypoints.cli_parts import shared_work_options
+
+    options = shared_work_options(build_parser().parse_args(["serve", *flags]))
+    assert (options.max_cache_bytes, options.max_cache_entries) == (max_bytes, max_entries)
+
+
+def test_a_bad_cache_size_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--embedding-cache-bytes", "lots"])
+    assert "'lots' is not a size" in capsys.readouterr().err
