@@ -22,8 +22,8 @@ pair's score is the max (default), mean or first of its chunks' scores
 (PoolerConfig.chunk_score_aggregation), taken after the activation.
 
 Fairness: each chunk is a request marked `long_input_chunk`; the encoder scheduler gives such
-chunks at most a share of each step's token budget (core/scheduler.py), so the requests that
-arrive while a long input runs go into the next step instead of waiting for all its chunks. The
+chunks at most a share (1/8) of each step's token budget (core/scheduler.py), so the requests
+that arrive while a long input runs go into the next step instead of waiting for all its chunks. The
 longest input taken is `max_embed_len` tokens (default DEFAULT_MAX_EMBED_LEN).
 """
 
