@@ -127,8 +127,8 @@ class PoolerConfig:
     added to each), run as separate sequences, and their outputs combined (engine/chunked.py);
     off: such a text is refused, as before."""
     max_embed_len: int | None = None
-    """With chunked processing: the longest input accepted, in tokens of text; None: any (the
-    whole text is then tokenized)."""
+    """With chunked processing: the longest input accepted, in tokens of text (longer: 400 up
+    front); None: engine/chunked.py's DEFAULT_MAX_EMBED_LEN (131,072), which bounds memory."""
     chunk_score_aggregation: str = "max"
     """Cross-encoders with chunked processing: a long document's score from its chunks' scores
     (each chunk paired with the query): "max", "mean" or "first"."""

@@ -45,6 +45,9 @@ class Request:
     skip_reading_prefix_cache: bool = False
     """The output needs every prompt token's hidden state (MEAN pooling, token tasks): computing
     from a prefix-cache hit would skip some. Its blocks are still entered into the cache."""
+    long_input_chunk: bool = False
+    """One chunk of a long input run in chunks (engine/chunked.py): the scheduler gives such
+    chunks a share of each step, so that other requests interleave with them."""
     finish_reason: str | None = None
     """"stop" or "length" once finished (vLLM's names); "abort" when aborted."""
     stop_reason: int | str | None = None

@@ -235,7 +235,7 @@ BAD_EMBED_BODIES = [
     ({"texts": ["ok"], "truncate": "MIDDLE"}, 422, "truncate"),
     ({"texts": ["ok"], "input_type": "poem"}, 422, "input_type"),
     ({"texts": ["ok"], "output_dimension": "8"}, 422, "output_dimension"),
-    ({"texts": ["ok"], "output_dimension": 0}, 400, "dimensions"),
+    ({"texts": ["ok"], "output_dimension": 0}, 400, "output_dimension must be >= 1"),
     ({"texts": ["ok"], "images": ["data:..."]}, 400, "images"),
     ({"texts": ["ok"], "model": "other"}, 404, "other"),
     ({"texts": ["ok"], "truncate": "NONE", "max_tokens": 4}, 400, "max_tokens"),

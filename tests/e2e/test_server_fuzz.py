@@ -447,3 +447,50 @@ def test_each_field_with_each_edge_value(servers, route: str) -> None:
                 assert_invariant(conn, route, {**FIXED_BODIES[route], name: value})
     finally:
         conn.close()
+
+
+# Issue 26: a body nested ~990-1,024 deep in a content field was a 500 (RecursionError) on the
+# fast path. Every content field of every route, chat messages on the generating model
+# included, at depths around every parser's limit: a 400 naming the depth (or, within the
+# limit, whatever the field's checks say), never a 5xx, the connection still served.
+DEEP_FIELDS = {
+    "/v1/embeddings": ["input"], "/pooling": ["input"], "/classify": ["input"],
+    "/score": ["text_1", "text_2"], "/rerank": ["query", "documents"],
+    "/tokenize": ["prompt", "messages"], "/detokenize": ["tokens"],
+    "/v1/completions": ["prompt"], "/v1/chat/completions": ["messages"],
+}  # fmt: skip
+DEEP_SHAPES = {
+    "lists": lambda depth: "[" * depth + '"a"' + "]" * depth,
+    "objects": lambda depth: '{"role": "user", "content": ' * depth + '"a"' + "}" * depth,
+    "message parts": lambda depth: (
+        '[{"role": "user", "content": '
+        + '[{"type": "text", "text": ' * depth
+        + '"a"'
+        + "}]" * depth
+        + "}]"
+    ),
+}
+
+
+@pytest.mark.parametrize("route", list(DEEP_FIELDS))
+def test_deep_bodies_never_answer_5xx(servers, route: str) -> None:
+    conn = servers[route].connection()
+    try:
+        for name in DEEP_FIELDS[route]:
+            for shape, nest in DEEP_SHAPES.items():
+                for depth in (30, 63, 500, 989, 990, 1000, 1023, 1024, 1025):
+                    base = json.dumps({k: v for k, v in FIXED_BODIES[route].items() if k != name})
+                    raw = (base[:-1] + f', "{name}": {nest(depth)}}}').encode()
+                    answer = request_on(
+                        conn, "POST", route, raw, {"Content-Type": "application/json"}
+                    )
+                    assert answer.status < 500, (route, name, shape, depth, answer.body[:300])
+                    if depth >= 500:
+                        assert answer.status == 400
+                        assert (
+                            "levels deep; this server reads at most 64"
+                            in answer.json()["error"]["message"]
+                        )
+                    assert request_on(conn, "GET", "/health").status == 200
+    finally:
+        conn.close()

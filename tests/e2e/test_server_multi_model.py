@@ -226,3 +226,131 @@ def test_duplicate_served_name_across_models_is_refused(tiny_model_path: Path) -
     engine = AsyncEngine.from_args(str(tiny_model_path("bert")), device="cpu")
     with pytest.raises(ValueError, match="given to two models"):
         build_app([NamedEngine(engine, ("a",)), NamedEngine(engine, ("b", "a"))])
+
+
+# ---------------------------------------------------------------------- per-model state (issue 26)
+
+
+def _app_client(engines, **server_args):
+    from fastapi.testclient import TestClient
+
+    from tidepool.entrypoints.openai.served_models import NamedEngine
+    from tidepool.entrypoints.openai.server import ServerArgs, build_app
+
+    named = [NamedEngine(engine, (name,)) for name, engine in engines]
+    return TestClient(build_app(named, ServerArgs(**server_args)))
+
+
+@pytest.fixture(scope="module")
+def wide_bert(tiny_model_path, tmp_path_factory, minilm_path) -> Path:
+    """A tiny random BERT of another width than the conftest's (48, not 32)."""
+    from conftest import TINY_SIZES, copy_bert_tokenizer
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path_factory.mktemp("wide_bert")
+    torch.manual_seed(7)
+    sizes = {**TINY_SIZES, "hidden_size": 48, "num_attention_heads": 4}
+    BertModel(BertConfig(vocab_size=30522, type_vocab_size=2, **sizes)).save_pretrained(folder)
+    copy_bert_tokenizer(minilm_path, folder)
+    return folder
+
+
+CALIBRATION = [f"calibration text {i}: " + "tide pools hold " * (i % 5) for i in range(12)]
+
+
+def test_calibration_ranges_are_per_model(tiny_model_path, wide_bert, tmp_path, tiny_llm) -> None:
+    """One --embedding-calibration file of texts, two models of different widths: each model's
+    int8 / uint8 values are quantize_embeddings' with its own ranges, whichever asks first."""
+    from tidepool import LLM, quantize_embeddings
+    from tidepool.engine.async_engine import AsyncEngine
+
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("\n".join(CALIBRATION) + "\n")
+    narrow_path = str(tiny_model_path("bert"))
+    engines = [
+        (name, AsyncEngine.from_args(path, device="cpu", dtype="float32"))
+        for name, path in (("narrow", narrow_path), ("wide", str(wide_bert)))
+    ]
+    offline = {
+        "narrow": tiny_llm("bert"),
+        "wide": LLM(str(wide_bert), device="cpu", dtype="float32"),
+    }
+    with _app_client(engines, embedding_calibration=str(calibration)) as client:
+        for name in ("wide", "narrow", "wide"):  # the wide model asks first
+            answers = {}
+            for dtype in ("int8", "uint8"):
+                body = {"model": name, "input": TEXTS, "embed_dtype": dtype}
+                answer = client.post("/v1/embeddings", json=body)
+                assert answer.status_code == 200, answer.text
+                llm = offline[name]
+                vectors = [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
+                own = [o.outputs.embedding for o in llm.embed(CALIBRATION, use_tqdm=False)]
+                expected = quantize_embeddings(vectors, dtype, calibration_embeddings=own)
+                got = [d["embedding"] for d in answer.json()["data"]]
+                answers[dtype] = got
+                assert len(got[0]) == (48 if name == "wide" else 32)
+                # Rounding at a bucket edge may move a value by one step; no more, and rarely.
+                diff = abs(torch.tensor(got) - torch.tensor(expected.astype(int)))
+                assert diff.max() <= 1 and (diff > 0).float().mean() < 0.02, name
+            cohere = client.post(
+                "/v2/embed", json={"model": name, "texts": TEXTS, "embedding_types": ["int8"]}
+            )
+            assert cohere.status_code == 200, cohere.text
+            assert cohere.json()["embeddings"]["int8"] == answers["int8"]
+
+
+def test_npy_ranges_of_one_width_refuse_the_other_clearly(tiny_model_path, wide_bert, tmp_path):
+    import numpy as np
+
+    from tidepool.engine.async_engine import AsyncEngine
+
+    ranges = tmp_path / "ranges.npy"
+    np.save(ranges, np.vstack((-np.ones(32), np.ones(32))).astype(np.float32))
+    engines = [
+        (name, AsyncEngine.from_args(path, device="cpu", dtype="float32"))
+        for name, path in (("narrow", str(tiny_model_path("bert"))), ("wide", str(wide_bert)))
+    ]
+    with _app_client(engines, embedding_calibration=str(ranges)) as client:
+        body = {"input": "a text", "embed_dtype": "int8"}
+        assert client.post("/v1/embeddings", json={**body, "model": "narrow"}).status_code == 200
+        answer = client.post("/v1/embeddings", json={**body, "model": "wide"})
+        assert answer.status_code == 400
+        message = answer.json()["error"]["message"]
+        assert "ranges have 32 dimensions, the embedding has 48" in message
+        assert "a file of texts gives each model its own" in message
+
+
+def test_tei_embed_sparse_honours_the_model_query(tiny_model_path, minilm_path, tmp_path) -> None:
+    from sparse_models import save_splade
+
+    from tidepool.engine.async_engine import AsyncEngine
+
+    splade = save_splade(tmp_path / "splade", minilm_path, seed=5, pooling_strategy="max")
+    engines = [
+        ("dense", AsyncEngine.from_args(str(tiny_model_path("bert")), device="cpu")),
+        ("sparse", AsyncEngine.from_args(str(splade), device="cpu")),
+    ]
+    with _app_client(engines) as client:
+        body = {"inputs": "a tide pool"}
+        by_task = client.post("/embed_sparse", json=body)  # no model: the one that serves it
+        by_query = client.post("/embed_sparse?model=sparse", json=body)
+        assert by_task.status_code == by_query.status_code == 200, by_query.text
+        assert by_task.json() == by_query.json() and by_query.json()[0]
+        dense = client.post("/embed_sparse?model=dense", json=body)
+        assert dense.status_code == 400 and "does not support" in dense.text
+        assert client.post("/embed_sparse?model=nope", json=body).status_code == 404
+        both = client.post("/embed_sparse?model=sparse", json={**body, "model": "dense"})
+        assert both.status_code == 400 and "give one" in both.text
+
+
+@pytest.mark.parametrize("name", ["", " ", " padded "])
+def test_unusable_served_names_are_refused_at_start(tiny_model_path, name: str) -> None:
+    from tidepool.engine.async_engine import AsyncEngine
+
+    argv = ["serve", str(tiny_model_path("bert")), "--served-model-name", name]
+    args = build_parser().parse_args(argv)
+    with pytest.raises(ValueError, match="served model name"):
+        _served_names(args, _model_args(args))
+    engine = AsyncEngine.from_args(str(tiny_model_path("bert")), device="cpu")
+    with pytest.raises(ValueError, match="served model name"):
+        _app_client([(name, engine)])

@@ -236,5 +236,128 @@ def test_a_rejected_request_names_the_callers_own_index(engine) -> None:
 
 def test_cached_results_hold_only_their_own_row(cached_engine) -> None:
     asyncio.run(cached_engine.encode(["row a", "row b", "row c"], [EMBED] * 3))
-    for output in cached_engine.shared_work._cache.values():  # not the memory of a whole step
+    for output, _ in cached_engine.shared_work._cache.values():  # not a whole step's memory
         assert output.data.untyped_storage().nbytes() == output.data.nbytes
+
+
+# ---------------------------------------------------------------------- the byte bound (issue 26)
+
+CACHE_BYTES = 16 << 20
+PER_TOKEN = PoolingParams(task="token_embed")
+
+
+@pytest.fixture(scope="module")
+def wide_per_token_model(tmp_path_factory, minilm_path):
+    """A one-layer random BERT 256 wide: a ~50-token text's per-token output is ~50 KiB, so
+    2,000 of them (~100 MiB) stand far above the allocator's noise."""
+    from conftest import copy_bert_tokenizer
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path_factory.mktemp("wide_per_token")
+    torch.manual_seed(3)
+    config = BertConfig(
+        vocab_size=30522, type_vocab_size=2, hidden_size=256, num_hidden_layers=1,
+        num_attention_heads=4, intermediate_size=256, max_position_embeddings=128,
+    )  # fmt: skip
+    BertModel(config).save_pretrained(folder)
+    copy_bert_tokenizer(minilm_path, folder)
+    return folder
+
+
+def _resident_bytes() -> int | None:
+    """Resident memory after returning freed heap pages to the OS (None without glibc)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    from tidepool.entrypoints.openai.served_models import rss_bytes
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    gc.collect()
+    trim(0)
+    return rss_bytes()
+
+
+def test_a_per_token_cache_stays_within_its_byte_bound(wide_per_token_model) -> None:
+    """2,000 distinct per-token results (~100 MiB unbounded) through a 16 MiB cache: its
+    accounted bytes, the bytes its tensors really hold and the process's resident memory stay
+    within the bound (issue 26: 2,000 /embed_all entries took 790 MiB)."""
+    engine = AsyncEngine.from_args(
+        str(wide_per_token_model),
+        device="cpu",
+        dtype="float32",
+        shared_work=SharedWorkOptions(cache_bytes=CACHE_BYTES),
+    )
+    shared = engine.shared_work
+    texts = [
+        f"text {i} " + " ".join(f"w{(i * 7 + j) % 97}" for j in range(40)) for i in range(2100)
+    ]
+
+    async def run() -> int | None:
+        engine.start()
+        await engine.encode(texts[2000:], [PER_TOKEN] * 100)  # warm up: steps, tokenizer
+        before, peak = _resident_bytes(), 0
+        for start in range(0, 2000, 100):
+            outputs = await engine.encode(texts[start : start + 100], [PER_TOKEN] * 100)
+            assert outputs[0].outputs.data.shape[1] == 256
+            del outputs
+            assert shared.cached_bytes <= CACHE_BYTES
+            now = _resident_bytes()
+            peak = None if before is None or now is None else max(peak, now - before)
+        await engine.shutdown()
+        return peak
+
+    peak = asyncio.run(run())
+    held = sum(output.data.untyped_storage().nbytes() for output, _ in shared._cache.values())
+    assert 0.5 * CACHE_BYTES < held <= shared.cached_bytes <= CACHE_BYTES
+    assert shared.num_cached < 2000 and shared.stats.num_cache_evictions > 0
+    if peak is not None:  # the bound plus the allocator's noise, far below ~100 MiB
+        assert peak < CACHE_BYTES + (64 << 20), peak >> 20
+
+
+def test_cache_occupancy_in_metrics(tiny_model_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from tidepool.entrypoints.openai.server import ServerArgs, build_app
+
+    options = SharedWorkOptions(cache_bytes=1 << 20)
+    engine = AsyncEngine.from_args(str(tiny_model_path("bert")), device="cpu", shared_work=options)
+    with TestClient(build_app(engine, ServerArgs())) as client:
+        body = {"input": ["one text", "another text"], "task": "token_embed"}
+        assert client.post("/pooling", json=body).status_code == 200
+        metrics = client.get("/metrics").text
+        size = metric_value(metrics, "tidepool:shared_work_cache_bytes")
+        bound = metric_value(metrics, "tidepool:shared_work_cache_max_bytes")
+        assert 0 < size == engine.shared_work.cached_bytes <= bound == 1 << 20
+        assert metric_value(metrics, "tidepool:shared_work_cache_entries") == 2
+        hits = engine.shared_work.stats.num_cache_hits
+        assert client.post("/pooling", json=body).status_code == 200
+        assert engine.shared_work.stats.num_cache_hits == hits + 2
+
+
+def test_the_entry_bound_maps_to_a_byte_bound_too() -> None:
+    from tidepool.engine.shared_work import DEFAULT_CACHE_BYTES
+
+    assert SharedWorkOptions(cache_size=10).max_cache_bytes == DEFAULT_CACHE_BYTES
+    assert SharedWorkOptions(cache_size=10).max_cache_entries == 10
+    assert SharedWorkOptions(cache_bytes=1000).max_cache_entries is None
+    assert (
+        not SharedWorkOptions().caches and not SharedWorkOptions(cache_size=5, cache_bytes=0).caches
+    )
+
+
+def test_an_entry_larger_than_the_bound_is_not_cached(tiny_model_path) -> None:
+    engine = AsyncEngine.from_args(
+        str(tiny_model_path("bert")), device="cpu", shared_work=SharedWorkOptions(cache_bytes=4096)
+    )
+    engine.start()
+    try:
+        asyncio.run(engine.encode(["a text of several tokens " * 4], [PER_TOKEN]))
+        assert engine.shared_work.num_cached == 0 and engine.shared_work.cached_bytes == 0
+        assert engine.shared_work.stats.num_cache_too_large == 1
+    finally:
+        asyncio.run(engine.shutdown())

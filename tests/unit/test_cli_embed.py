@@ -7,8 +7,11 @@ so the model loads once; one test runs the real console entry point in a subproc
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -96,9 +99,10 @@ def test_embed_formats(tmp_path: Path, expected, in_suffix: str, out_suffix: str
     assert_embeddings(embeddings, expected)
     if in_suffix != ".txt" and out_suffix != ".npy":
         assert ids == [f"r{i}" for i in range(NUM_ROWS)]
+    # No leftovers: the output and its manifest (what a rerun checks before resuming).
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [src.name, out.name]
-    )  # no leftovers
+        [src.name, out.name, out.name + ".manifest.json"]
+    )
 
 
 @pytest.mark.parametrize("out_suffix", [".jsonl", ".npy", ".parquet"])
@@ -161,8 +165,8 @@ def test_bad_rows_and_files_give_clear_errors(tmp_path: Path, capsys) -> None:
     assert "'text' field" in capsys.readouterr().err
     assert main(["embed", "-i", str(src), "-o", str(tmp_path / "o.csv")]) == 1
     assert "unknown format '.csv'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["embed", "-i", str(tmp_path / "missing.txt"), "-o", str(tmp_path / "o.npy")])
+    assert main(["embed", "-i", str(tmp_path / "missing.txt"), "-o", str(tmp_path / "o.npy")]) == 1
+    assert capsys.readouterr().err == f"error: no input file {tmp_path / 'missing.txt'}\n"
 
 
 def test_missing_pyarrow_is_explained(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -198,3 +202,63 @@ def test_startup_errors_print_one_line(monkeypatch, capsys) -> None:
     assert (
         capsys.readouterr().err == "error: model '/nowhere' not found; tidepool never downloads\n"
     )
+
+
+@pytest.mark.parametrize("what", ["output folder", "missing folder", "input folder", "dev null"])
+def test_paths_that_cannot_work_are_one_line(tmp_path: Path, capsys, what: str) -> None:
+    """Refused before the model loads, in one line naming the problem (issue 26: tracebacks,
+    and "no input file" for a folder or /dev/null)."""
+    src, out = write_input(tmp_path, ".txt"), tmp_path / "out.npy"
+    expected = {
+        "output folder": "is a folder: give a file (.jsonl, .parquet or .npy)",
+        "missing folder": "the output's folder",
+        "input folder": "is a folder: give a file (.txt, .jsonl or .parquet)",
+        "dev null": "is not a regular file (a device, pipe or socket)",
+    }[what]
+    if what == "output folder":
+        out.mkdir()
+    elif what == "missing folder":
+        out = tmp_path / "nowhere" / "out.npy"
+    elif what == "input folder":
+        src = tmp_path
+    else:
+        src = Path("/dev/null")
+    assert main(["embed", "-i", str(src), "-o", str(out), *CHUNK]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+
+
+@pytest.fixture
+def read_only_folder(tmp_path: Path) -> Iterator[Path]:
+    """A folder nobody may write to: chmod for a user, the immutable flag for root (whom
+    permissions do not stop); skipped where neither holds."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    (folder / "out.jsonl").write_text("")
+    if os.geteuid() == 0:
+        if (
+            shutil.which("chattr") is None
+            or subprocess.run(["chattr", "+i", str(folder)]).returncode
+        ):
+            pytest.skip("root, and no chattr +i here: nothing is read-only for root")
+        undo = ["chattr", "-i", str(folder)]
+    else:
+        folder.chmod(0o555)
+        undo = ["chmod", "755", str(folder)]
+    try:
+        (folder / "probe").touch()
+    except OSError:
+        pass
+    else:
+        subprocess.run(undo)
+        pytest.skip("the folder stays writable here")
+    yield folder
+    subprocess.run(undo, check=True)
+
+
+@pytest.mark.parametrize("name", ["out.jsonl", "new.npy"])
+def test_read_only_output_is_one_line(tmp_path: Path, read_only_folder: Path, capsys, name) -> None:
+    src, out = write_input(tmp_path, ".txt"), read_only_folder / name
+    assert main(["embed", "-i", str(src), "-o", str(out), *CHUNK]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: the output {out} cannot be written here: permission denied\n"

@@ -167,7 +167,8 @@ def _check_rerun(llm, job: EmbedJob, expected: tuple, capsys) -> None:
     assert errors == expected[3]  # every bad row reported once
     assert result.num_skipped == len(expected[3])
     leftovers = {p.name for p in job.output.parent.iterdir()}
-    assert leftovers == {job.input.name, job.output.name, job.output.name + ".errors.jsonl"}
+    name = job.output.name
+    assert leftovers == {job.input.name, name, name + ".errors.jsonl", name + ".manifest.json"}
     said = capsys.readouterr().out
     if "resuming" in said:  # what it says is there, is there
         resumed = int(said.split("resuming: ")[1].split()[0])

@@ -20,6 +20,11 @@ has seen only the last chunk, so keeping one chunk would drop the rest of the te
 Cross-encoders (score): a long document is split and each chunk paired with the whole query; the
 pair's score is the max (default), mean or first of its chunks' scores
 (PoolerConfig.chunk_score_aggregation), taken after the activation.
+
+Fairness: each chunk is a request marked `long_input_chunk`; the encoder scheduler gives such
+chunks at most a share (1/8) of each step's token budget (core/scheduler.py), so the requests
+that arrive while a long input runs go into the next step instead of waiting for all its chunks. The
+longest input taken is `max_embed_len` tokens (default DEFAULT_MAX_EMBED_LEN).
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ from tidepool.engine.prefix_tokenizer import FirstTokens, PrefixTokenizer
 from tidepool.outputs import PoolingOutput, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams
 from tidepool.request import Request
+
+DEFAULT_MAX_EMBED_LEN = 131_072
+"""The longest input chunked processing takes when `max_embed_len` is not set, in tokens: a
+long input holds ~1 KiB of host memory per token while it runs (its ids, the tokenizer's
+encoding, its chunks' requests), so one input stays near 130 MiB; a longer one answers 400 up
+front, before any of its request runs (a 1,000,000-token text took 208 s and +900 MiB)."""
 
 
 @dataclass(frozen=True)
@@ -192,10 +203,11 @@ class LongInputSplitter:
         pooler = model_config.pooler
         if not pooler.enable_chunked_processing:
             return None
+        max_embed_len = pooler.max_embed_len
         return cls(
             prefix_tokenizer,
             model_config.max_model_len,
-            pooler.max_embed_len,
+            DEFAULT_MAX_EMBED_LEN if max_embed_len is None else max_embed_len,
             prepare,
             make,
             model_config.uses_token_type_ids,
@@ -264,6 +276,7 @@ class LongInputSplitter:
             )
             if isinstance(made, RequestError):
                 return made
+            made.long_input_chunk = True  # scheduled in a share of each step (core/scheduler.py)
             requests.append(made)
         return ChunkedInput(requests, params)
 

@@ -4,7 +4,8 @@ bounded LRU cache of results.
 Two requests are identical when they have the same token ids, the same token type ids and the
 same PoolingParams (every field: task, dimensions, normalize, activation, ...): the output stage
 reads nothing else, so their outputs are equal. The engine serves one model, so the model is part
-of the key by construction (one SharedWork per AsyncEngine).
+of the key by construction (one SharedWork per AsyncEngine). The cache is bounded in bytes (each
+entry priced by its real tensors and key: `entry_bytes`) and, optionally, in entries.
 
     caller A: [k1, k2]  ── k1, k2 new ──▶ flight F (one engine group: k1, k2), waiters {A}
     caller B: [k1, k3]  ── k1 in F: join; k3 new ──▶ flight G (k3), waiters F {A, B}, G {B}
@@ -14,8 +15,8 @@ of the key by construction (one SharedWork per AsyncEngine).
 A flight is the engine's own future for its group, not a caller's task: cancelling one caller
 cannot cancel the computation the others wait for (callers wait through asyncio.shield / wait);
 the last waiter to leave a flight cancels it (which aborts its requests in the engine). No task
-is made per flight: a one-text request costs one future. Finished flights fill the cache (when it
-has room: `cache_size` > 0).
+is made per flight: a one-text request costs one future. Finished flights fill the cache (when
+there is one: `SharedWorkOptions.caches`).
 
 Everything here runs on the event loop's thread: no locks.
 """
@@ -29,6 +30,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol
+
+import torch
 
 from tidepool.outputs import BatchInputError, PoolingOutput, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams
@@ -53,6 +56,16 @@ Submit = Callable[[list[Request]], Submission]
 """Hands requests to the engine now; may raise (admission refused, engine closed)."""
 
 
+DEFAULT_CACHE_BYTES = 256 << 20
+"""The result cache's byte bound when only its entry count is given: one entry's size ranges
+from ~2 KiB (a 384-float embedding) to megabytes (a long text's per-token vectors)."""
+ENTRY_OVERHEAD_BYTES = 512
+"""What an entry holds besides its tensors and key: the tensor and output objects, the LRU's
+node and the key tuple's header."""
+KEY_BYTES_PER_TOKEN = 36
+"""The key's cost per token id: a pointer in the tuple and (ids above 256) an int object."""
+
+
 @dataclass(frozen=True)
 class SharedWorkOptions:
     """How the server shares pooling work between requests."""
@@ -60,15 +73,37 @@ class SharedWorkOptions:
     share_in_flight: bool = True
     """Identical requests waiting or running at the same time are computed once."""
     cache_size: int = 0
-    """Finished results kept (LRU, one entry per distinct request); 0 = no cache."""
+    """Most finished results kept (LRU, one entry per distinct request); 0 = no entry bound."""
+    cache_bytes: int | None = None
+    """Most bytes the kept results take, each priced by its real tensors and key (LRU: the
+    least recently used leave first); None = DEFAULT_CACHE_BYTES when `cache_size` is set, else
+    no cache; 0 = no cache."""
 
     def __post_init__(self) -> None:
         if self.cache_size < 0:
             raise ValueError(f"the embedding cache size must be >= 0, got {self.cache_size}")
+        if self.cache_bytes is not None and self.cache_bytes < 0:
+            raise ValueError(f"the embedding cache bytes must be >= 0, got {self.cache_bytes}")
+
+    @property
+    def max_cache_bytes(self) -> int:
+        """The cache's byte bound; 0 = no cache."""
+        if self.cache_bytes is not None:
+            return self.cache_bytes
+        return DEFAULT_CACHE_BYTES if self.cache_size > 0 else 0
+
+    @property
+    def max_cache_entries(self) -> int | None:
+        """The cache's entry bound (None: bytes only)."""
+        return self.cache_size or None
+
+    @property
+    def caches(self) -> bool:
+        return self.max_cache_bytes > 0
 
     @property
     def enabled(self) -> bool:
-        return self.share_in_flight or self.cache_size > 0
+        return self.share_in_flight or self.caches
 
 
 @dataclass
@@ -84,7 +119,9 @@ class SharedWorkStats:
     num_computed: int = 0
     """Sent to the engine."""
     num_cache_evictions: int = 0
-    """Cache entries dropped at the bound (least recently used first)."""
+    """Cache entries dropped at a bound (least recently used first)."""
+    num_cache_too_large: int = 0
+    """Results not cached: larger alone than the cache's byte bound."""
 
 
 def params_key(params: PoolingParams | None) -> tuple[Hashable, ...]:
@@ -105,6 +142,19 @@ def work_key(request: Request) -> WorkKey:
     )
 
 
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The memory a tensor holds: its storage (a sparse tensor: its indices' and values')."""
+    if tensor.is_sparse:
+        return tensor_bytes(tensor._indices()) + tensor_bytes(tensor._values())
+    return tensor.untyped_storage().nbytes()
+
+
+def entry_bytes(key: WorkKey, output: PoolingOutput) -> int:
+    """A cache entry's price: its output's tensors, its key's token ids, a fixed overhead."""
+    num_key_tokens = len(key[0]) + (len(key[1]) if key[1] is not None else 0)
+    return ENTRY_OVERHEAD_BYTES + KEY_BYTES_PER_TOKEN * num_key_tokens + tensor_bytes(output.data)
+
+
 class _Flight:
     """One engine group computing distinct new keys; resolved by its submission's future."""
 
@@ -123,7 +173,9 @@ class SharedWork:
         self.options = options
         self.stats = SharedWorkStats()
         self._in_flight: dict[WorkKey, _Flight] = {}
-        self._cache: OrderedDict[WorkKey, PoolingOutput] = OrderedDict()
+        self._cache: OrderedDict[WorkKey, tuple[PoolingOutput, int]] = OrderedDict()
+        self.cached_bytes = 0
+        """What the cache's entries take, as priced by `entry_bytes`."""
 
     @property
     def num_cached(self) -> int:
@@ -155,7 +207,7 @@ class SharedWork:
         ]
 
     def _cache_get(self, key: WorkKey) -> PoolingOutput | None:
-        if not self.options.cache_size:
+        if not self.options.caches:
             return None
         hit = self._cache.get(key)
         if hit is None:
@@ -163,20 +215,30 @@ class SharedWork:
             return None
         self._cache.move_to_end(key)
         self.stats.num_cache_hits += 1
-        return hit
+        return hit[0]
 
     def _cache_put(self, key: WorkKey, output: PoolingOutput) -> None:
-        if not self.options.cache_size:
+        max_bytes = self.options.max_cache_bytes
+        if not max_bytes:
             return
         data = output.data
-        if data.untyped_storage().nbytes() > data.nbytes:
+        if not data.is_sparse and data.untyped_storage().nbytes() > data.nbytes:
             # A view into the step's whole output batch: kept as is, one entry would hold the
             # memory of every row of its step.
             output = PoolingOutput(data.clone())
-        self._cache[key] = output
-        self._cache.move_to_end(key)
-        while len(self._cache) > self.options.cache_size:
-            self._cache.popitem(last=False)
+        size = entry_bytes(key, output)
+        if size > max_bytes:
+            self.stats.num_cache_too_large += 1
+            return
+        previous = self._cache.pop(key, None)
+        if previous is not None:
+            self.cached_bytes -= previous[1]
+        self._cache[key] = (output, size)
+        self.cached_bytes += size
+        max_entries = self.options.max_cache_entries
+        while self.cached_bytes > max_bytes or (max_entries and len(self._cache) > max_entries):
+            _, (_, dropped) = self._cache.popitem(last=False)
+            self.cached_bytes -= dropped
             self.stats.num_cache_evictions += 1
 
     def _launch(self, new: dict[WorkKey, Request]) -> _Flight:

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tidepool import envs
 from tidepool.entrypoints.cli_args import (
     _add_engine_args,
     _engine_kwargs,
@@ -29,6 +28,7 @@ from tidepool.entrypoints.cli_parts import (
     add_example_models_parser,
     add_shared_work_args,
     exposure_warning,
+    serve_api_key,
     shared_work_options,
 )
 from tidepool.entrypoints.frontend_args import (
@@ -156,7 +156,11 @@ def _add_admission_args(parser: argparse.ArgumentParser) -> None:
 def _served_names(args: argparse.Namespace, models: list[str]) -> list[list[str]]:
     """Each model's served names: one --served-model-name group per model, or (several models)
     one group with a name per model; none: the model argument."""
+    from tidepool.entrypoints.openai.served_models import check_served_name
+
     groups = args.served_model_name_groups
+    for name in [n for group in groups or [] for n in group]:
+        check_served_name(name)  # ValueError: one line, before any model loads
     if not groups:
         return [[model] for model in models]
     if len(groups) == len(models):
@@ -178,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_frontend_args(args)
     models = _model_args(args)
     names = _served_names(args, models)
-    args.api_key = args.api_key or envs.api_key()
+    args.api_key = serve_api_key(args.api_key)  # checked before any model loads
     engines = load_engines(
         models, names, shared_work=shared_work_options(args), **_engine_kwargs(args)
     )
@@ -251,7 +255,21 @@ def _add_embed_parser(subparsers: Any) -> None:
         default=None,
         help="Matryoshka truncation (default: the model's full embedding)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="start again, do not resume")
+    parser.add_argument(
+        "--prompt-name",
+        default=None,
+        help="one of the model's prompts put before each text (default: its default prompt)",
+    )
+    parser.add_argument(
+        "--no-normalize",
+        action="store_true",
+        help="keep the embeddings unnormalized (default: as the model's modules say)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start again, do not resume (a rerun with other settings is refused without it)",
+    )
     parser.add_argument(
         "--on-error",
         choices=ON_ERROR,
@@ -306,16 +324,32 @@ def cmd_embed(args: argparse.Namespace) -> int:
     if args.ray is not None and not args.demo:  # the input may be a folder or a URI there
         if args.rows_per_file < 1:
             raise SystemExit("error: --rows-per-file must be >= 1")
+        if args.prompt_name is not None or args.no_normalize:
+            raise SystemExit("error: --prompt-name and --no-normalize are not supported with --ray")
         return cmd_embed_ray(args, _model_arg(args), _engine_kwargs(args))
     if isinstance(args.input, str) or isinstance(args.output, str):
         raise SystemExit("error: URIs (s3://, gs://, ...) need --ray; give local paths")
-    if args.input is not None and not args.input.is_file():
-        raise SystemExit(f"error: no input file {args.input}")
+    if not args.demo and (error := _local_path_error(args.input, args.output)):
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     llm = LLM(_model_arg(args), **_engine_kwargs(args))
     if args.demo:
         run_demo(llm, args.num_demo_texts)
         return 0
     return _run_local_job(llm, args)
+
+
+def _local_path_error(input_path: Path, output: Path) -> str | None:
+    """Checked before the model loads: why the input or output cannot work, if it cannot."""
+    from tidepool.jobs.formats import JobError
+    from tidepool.jobs.local import check_input_path, check_output_path
+
+    try:
+        check_input_path(input_path)
+        check_output_path(output)
+    except JobError as e:
+        return str(e)
+    return None
 
 
 def _run_local_job(llm: Any, args: argparse.Namespace) -> int:
@@ -330,6 +364,8 @@ def _run_local_job(llm: Any, args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         truncate_prompt_tokens=None if args.no_truncate else args.truncate_prompt_tokens,
         dimensions=args.dimensions,
+        normalize=False if args.no_normalize else None,
+        prompt_name=args.prompt_name,
         overwrite=args.overwrite,
         progress=not args.no_progress,
         on_error=args.on_error,
@@ -338,6 +374,10 @@ def _run_local_job(llm: Any, args: argparse.Namespace) -> int:
         result = run_embed_job(llm, job)
     except JobError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the disk, not the job: full, read-only, gone
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     print(f"embedded {result.num_embedded} rows into {args.output}")
     if result.stopped_at is not None:

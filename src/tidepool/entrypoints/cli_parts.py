@@ -5,6 +5,7 @@ the `example-models` subcommand."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_shared_work_args(parser: argparse.ArgumentParser) -> None:
     """Shared work between pooling requests (engine/shared_work.py; docs/server.md)."""
     parser.add_argument(
+        "--embedding-cache-bytes",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="keep pooling results up to this much memory (LRU; one per distinct token ids + "
+        "parameters, priced by its real tensors) and answer repeats from it: bytes, or with a "
+        "unit, 512MiB, 2GB, 64K (default: 256MiB when --embedding-cache-size is given, "
+        "else no cache; 0 = no cache)",
+    )
+    parser.add_argument(
         "--embedding-cache-size",
         type=_non_negative_int,
         default=0,
-        help="keep this many pooling results (LRU; one per distinct token ids + parameters) "
-        "and answer repeats from it; 0 = no cache",
+        help="at most this many cached results as well (entries; the byte bound always holds: "
+        "one per-token result can take megabytes); 0 = no entry bound",
     )
     parser.add_argument(
         "--disable-shared-work",
@@ -46,10 +57,51 @@ def _non_negative_int(value: str) -> int:
     return number
 
 
+_UNITS = {
+    "": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
+    "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+}  # fmt: skip
+
+
+def byte_size(value: str) -> int:
+    """'1048576', '512MiB', '2GB', '64k' → bytes (>= 0)."""
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("kmgib")
+    unit = text[len(number) :]
+    try:
+        if unit not in _UNITS:
+            raise ValueError
+        size = float(number) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a size: give bytes, or a number with K, KB, KiB, M, MB, MiB, G, "
+            "GB or GiB"
+        ) from None
+    if size < 0 or size != size:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return int(size)
+
+
 def shared_work_options(args: argparse.Namespace) -> SharedWorkOptions:
     return SharedWorkOptions(
-        share_in_flight=not args.disable_shared_work, cache_size=args.embedding_cache_size
+        share_in_flight=not args.disable_shared_work,
+        cache_size=args.embedding_cache_size,
+        cache_bytes=args.embedding_cache_bytes,
     )
+
+
+def serve_api_key(flag: str | None) -> str | None:
+    """`serve`'s key: --api-key, else TIDEPOOL_API_KEY (envs.api_key's variable, read here as
+    set, so that an empty one is refused instead of read as none), else None. ValueError for an
+    empty key or one with whitespace around it (middleware.check_api_key)."""
+    from tidepool.entrypoints.openai.middleware import check_api_key
+
+    if flag is not None:
+        return check_api_key(flag, "--api-key")
+    from_env = os.environ.get("TIDEPOOL_API_KEY")
+    if from_env is not None:
+        return check_api_key(from_env, "TIDEPOOL_API_KEY")
+    return None
 
 
 ALL_INTERFACES = ("", "0.0.0.0", "::", "[::]")

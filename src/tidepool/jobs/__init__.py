@@ -5,6 +5,7 @@
     writers.py     the local outputs and the errors file: how each survives a kill; .jsonl
     npy_writer.py, parquet_writer.py   the .npy and .parquet outputs
     durable.py     a chunk's result, the writer contract, atomic writes
+    manifest.py    what an output is the output of (a rerun resumes only the same job), the lock
     pooling.py     one engine call over a batch of rows, bad rows as errors
     local.py       `tidepool embed`: the local runner on one engine
     plan.py        `tidepool embed --ray`: shards, the output folder, resuming

@@ -13,6 +13,8 @@ bad row and stops there.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,17 +22,30 @@ from typing import Any
 
 import numpy as np
 
-from tidepool.jobs.formats import JobError, count_rows, iter_rows
+from tidepool.jobs.durable import sibling, write_atomic
+from tidepool.jobs.formats import INPUT_FORMATS, JobError, check_suffix, count_rows, iter_rows
+from tidepool.jobs.manifest import (
+    MANIFEST_VERSION,
+    OutputLock,
+    differences,
+    file_fingerprint,
+    model_fields,
+    read_manifest,
+    refuse_other_job,
+)
 from tidepool.jobs.pooling import PooledRows, pool_rows
 from tidepool.jobs.rows import AnyRow, BadRow, Row
 from tidepool.jobs.writers import (
+    OUTPUT_FORMATS,
     Checkpoint,
     ChunkResult,
     ErrorLog,
     Writer,
     errors_path,
+    has_output,
     no_checkpoint,
     open_writer,
+    remove_output,
 )
 
 ON_ERROR = ("skip", "fail")
@@ -55,6 +70,10 @@ class EmbedJob:
     """Keep the first N tokens; -1: the model's maximum; None: a longer row is a bad row."""
     dimensions: int | None = None
     """Matryoshka truncation."""
+    normalize: bool | None = None
+    """L2-normalize the embeddings; None: as the model's sentence-transformers modules say."""
+    prompt_name: str | None = None
+    """One of the model's prompts put before each text; None: its default prompt, if any."""
     overwrite: bool = False
     """Start again instead of resuming."""
     progress: bool = True
@@ -95,7 +114,9 @@ def embed_chunk(llm: Any, rows: list[Row], job: EmbedJob) -> PooledRows:
         llm,
         "embed",
         [row.text for row in rows],
-        pooling_params=PoolingParams(dimensions=job.dimensions),
+        pooling_params=PoolingParams(
+            dimensions=job.dimensions, normalize=job.normalize, prompt_name=job.prompt_name
+        ),
         truncate_prompt_tokens=job.truncate_prompt_tokens,
     )
 
@@ -137,15 +158,53 @@ def _cut_before(result: ChunkResult, bad: BadRow) -> ChunkResult:
     return ChunkResult(result.start, bad.index, rows, result.embeddings[: len(rows)], [bad])
 
 
-def _open(job: EmbedJob, checkpoint: Checkpoint) -> tuple[int, Writer, ErrorLog]:
+def manifest_path(output: Path) -> Path:
+    return sibling(output, ".manifest.json")
+
+
+def job_manifest(llm: Any, job: EmbedJob) -> dict[str, Any]:
+    """Everything that decides the output's rows (jobs/manifest.py): a rerun resumes only when
+    every field is the same."""
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        **model_fields(getattr(llm, "model_config", None)),
+        "task": "embed",
+        "dimensions": job.dimensions,
+        "normalize": job.normalize,
+        "prompt_name": job.prompt_name,
+        "truncate_prompt_tokens": job.truncate_prompt_tokens,
+        "output_format": job.output.suffix.lower(),
+        "text_field": job.text_field,
+        "id_field": job.id_field,
+        "input": file_fingerprint(job.input),
+    }
+
+
+def _check_manifest(llm: Any, job: EmbedJob) -> None:
+    """Write the manifest of a new output; refuse an existing output of other settings before
+    anything of it is touched."""
+    path = manifest_path(job.output)
+    wanted = job_manifest(llm, job)
+    recorded = read_manifest(path)
+    if recorded is None:
+        if has_output(job.output):
+            raise JobError(
+                f"{job.output} holds rows but no manifest ({path.name}): it was not written by "
+                "this version of tidepool embed, so it cannot be resumed; pass --overwrite"
+            )
+        write_atomic(path, json.dumps(wanted, indent=1).encode("utf-8"))
+        return
+    changed = differences(recorded, wanted)
+    if changed:
+        raise refuse_other_job(str(job.output), changed)
+
+
+def _open(llm: Any, job: EmbedJob, checkpoint: Checkpoint) -> tuple[int, Writer, ErrorLog]:
     num_rows = count_rows(job.input)
-    writer = open_writer(
-        job.output,
-        num_rows,
-        overwrite=job.overwrite,
-        id_field=job.id_field,
-        checkpoint=checkpoint,
-    )
+    if job.overwrite:
+        remove_output(job.output)
+    _check_manifest(llm, job)
+    writer = open_writer(job.output, num_rows, id_field=job.id_field, checkpoint=checkpoint)
     if writer.rows_done > num_rows:
         raise JobError(
             f"{job.output} already has {writer.rows_done} rows but {job.input} has {num_rows}: "
@@ -154,11 +213,53 @@ def _open(job: EmbedJob, checkpoint: Checkpoint) -> tuple[int, Writer, ErrorLog]
     return num_rows, writer, ErrorLog(errors_path(job.output), writer.rows_done)
 
 
+def check_input_path(path: Path) -> None:
+    """A JobError for an input that is not a regular file (checked before a model is loaded)."""
+    if not path.exists():
+        raise JobError(f"no input file {path}")
+    if path.is_dir():
+        raise JobError(
+            f"the input {path} is a folder: give a file (.txt, .jsonl or .parquet); "
+            "--ray reads a folder of files"
+        )
+    if not path.is_file():
+        raise JobError(
+            f"the input {path} is not a regular file (a device, pipe or socket): give a .txt, "
+            ".jsonl or .parquet file"
+        )
+    check_suffix(path, INPUT_FORMATS, "input")
+    if not os.access(path, os.R_OK):
+        raise JobError(f"the input {path} cannot be read: permission denied")
+
+
+def check_output_path(output: Path) -> None:
+    """A JobError for an output that cannot be written: a folder, or in a folder that is
+    missing or not writable (checked before a model is loaded)."""
+    if output.is_dir():
+        raise JobError(f"the output {output} is a folder: give a file (.jsonl, .parquet or .npy)")
+    check_suffix(output, OUTPUT_FORMATS, "output")
+    folder = output.parent
+    if not folder.is_dir():
+        raise JobError(f"the output's folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (
+        output.exists() and not os.access(output, os.W_OK)
+    ):
+        raise JobError(f"the output {output} cannot be written here: permission denied")
+
+
 def run_embed_job(llm: Any, job: EmbedJob, checkpoint: Checkpoint = no_checkpoint) -> JobResult:
-    """Embed every row not yet acknowledged in the output; see the module's error policy."""
+    """Embed every row not yet acknowledged in the output; see the module's error policy. The
+    output is locked for the whole run: a second job on it stops at once (jobs/manifest.py)."""
+    check_input_path(job.input)
+    check_output_path(job.output)
+    with OutputLock(sibling(job.output, ".lock"), job.output):
+        return _run_locked(llm, job, checkpoint)
+
+
+def _run_locked(llm: Any, job: EmbedJob, checkpoint: Checkpoint) -> JobResult:
     from tqdm.auto import tqdm
 
-    num_rows, writer, errors = _open(job, checkpoint)
+    num_rows, writer, errors = _open(llm, job, checkpoint)
     start = writer.rows_done
     if start:
         print(f"resuming: {start} of {num_rows} rows are already in {job.output}")

@@ -26,6 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from tidepool.jobs.formats import JobError, parquet_columns
+from tidepool.jobs.manifest import (
+    MANIFEST_VERSION,
+    differences,
+    model_fields,
+    prefix_fingerprint,
+    refuse_other_job,
+)
 from tidepool.jobs.rows import is_blank, iter_lines
 
 if TYPE_CHECKING:
@@ -72,18 +79,31 @@ class RayEmbedJob:
     cpus_per_actor: float = 1.0
     """CPUs each actor reserves; its engine runs as many threads."""
 
-    def settings(self, input_uri: str) -> dict[str, Any]:
-        """What decides the output's rows: a rerun with other values must not mix with it."""
-        return {
+    def settings(self, input_uri: str, plan: JobPlan | None = None) -> dict[str, Any]:
+        """What decides the output's rows (jobs/manifest.py): a rerun with other values must not
+        mix with it. With the plan: the model's fingerprint and resolved settings, and each
+        input file's size and first bytes, too."""
+        settings: dict[str, Any] = {
+            "manifest_version": MANIFEST_VERSION,
             "input": input_uri,
             "model": self.model,
             "dtype": str(self.engine_kwargs.get("dtype", "auto")),
+            "engine_kwargs": json.loads(json.dumps(self.engine_kwargs, default=str)),
+            "task": "embed",
             "text_field": self.text_field,
             "id_field": self.id_field,
             "rows_per_file": self.rows_per_file,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "dimensions": self.dimensions,
+            "output_format": ".parquet",
         }
+        if plan is not None:
+            from tidepool.engine.args import build_engine_config
+
+            model = build_engine_config(self.model, **self.engine_kwargs).model
+            settings.update({k: v for k, v in model_fields(model).items() if k != "model"})
+            settings["input_files"] = _input_fingerprints(plan)
+        return settings
 
 
 @dataclass(frozen=True)
@@ -266,6 +286,17 @@ def write_json(fs: pafs.FileSystem, path: str, value: Any) -> None:
         f.write(json.dumps(value, indent=1).encode("utf-8"))
 
 
+def _input_fingerprints(plan: JobPlan) -> dict[str, Any]:
+    """Per input file (by its name under INPUT): its size and a fingerprint of its first MiB."""
+    files = {}
+    for shard in plan.shards:
+        if shard.source not in files:
+            size = plan.input_fs.get_file_info(shard.path).size
+            with plan.input_fs.open_input_stream(shard.path) as stream:
+                files[shard.source] = prefix_fingerprint(stream, size)
+    return files
+
+
 def prepare_output(
     fs: pafs.FileSystem, path: str, settings: dict[str, Any], overwrite: bool
 ) -> None:
@@ -287,15 +318,9 @@ def prepare_output(
             )
         write_json(fs, f"{path}/{MANIFEST}", settings)
         return
-    changed = sorted(
-        k for k in settings.keys() | manifest.keys() if settings.get(k) != manifest.get(k)
-    )
+    changed = differences(manifest, settings)
     if changed:
-        details = ", ".join(f"{k}: {manifest.get(k)!r} → {settings.get(k)!r}" for k in changed)
-        raise JobError(
-            f"{path} holds the output of a job with other settings ({details}); "
-            "pass --overwrite to start again, or choose another output"
-        )
+        raise refuse_other_job(path, changed)
 
 
 def completed_shards(fs: pafs.FileSystem, path: str) -> set[str]:

@@ -15,14 +15,17 @@ here the report is the row's `error`, so every input row has an output row.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import uuid
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tidepool.jobs.formats import JobError
+from tidepool.jobs.manifest import OutputLock
 from tidepool.jobs.plan import (
     DONE_DIR,
     SUCCESS,
@@ -235,11 +238,28 @@ def run_ray_embed_job(job: RayEmbedJob, address: str | None = None) -> JobSummar
     Ray is joined at `address` (see `connect`) only when there is work left, and left again
     afterwards; with None, the caller has called `ray.init` already.
     """
+    plan = plan_job(job)
+    with _output_lock(job.output):
+        return _run_planned(job, plan, address)
+
+
+def _output_lock(output: str) -> contextlib.AbstractContextManager[Any]:
+    """A local OUTPUT folder is locked as the local job's output is (OUTPUT.lock beside it, an
+    exclusive flock): a second job on it stops at once. A URI has no OS lock to take."""
+    if "://" in output:
+        return contextlib.nullcontext()
+    folder = Path(canonical_uri(output))
+    if not folder.parent.is_dir():
+        raise JobError(f"the output's folder {folder.parent} does not exist")
+    return OutputLock(folder.with_name(folder.name + ".lock"), output)
+
+
+def _run_planned(job: RayEmbedJob, plan: JobPlan, address: str | None) -> JobSummary:
     import pyarrow.fs as pafs
 
-    plan = plan_job(job)
     output_fs, output_path = plan.output_fs, plan.output_path
-    prepare_output(output_fs, output_path, job.settings(canonical_uri(job.input)), job.overwrite)
+    settings = job.settings(canonical_uri(job.input), plan)
+    prepare_output(output_fs, output_path, settings, job.overwrite)
     done = completed_shards(output_fs, output_path)
     pending = [shard for shard in plan.shards if shard.name not in done]
     num_shards = len(plan.shards)

@@ -43,11 +43,14 @@ from tidepool.jobs.rows import BadRow
 __all__ = [
     "Checkpoint",
     "ChunkResult",
+    "OUTPUT_FORMATS",
     "ErrorLog",
     "Writer",
     "errors_path",
+    "has_output",
     "no_checkpoint",
     "open_writer",
+    "remove_output",
 ]
 
 
@@ -181,23 +184,41 @@ WRITERS: dict[str, WriterFactory] = {
     ".parquet": ParquetWriter,
 }
 """Output suffix → its writer (path, input rows, --id-field, checkpoint)."""
+OUTPUT_FORMATS = tuple(WRITERS)
 
-LEFTOVERS = ("", ".partial", ".progress", ".progress.tmp", ".tmp", ".errors.jsonl")
-"""What a job may leave next to OUTPUT (OUTPUT itself included): --overwrite removes them."""
+LEFTOVERS = (
+    "",
+    ".partial",
+    ".progress",
+    ".progress.tmp",
+    ".tmp",
+    ".errors.jsonl",
+    ".manifest.json",
+    ".manifest.json.tmp",
+)
+"""What a job may leave next to OUTPUT (OUTPUT itself included): --overwrite removes them (and
+OUTPUT.parts/). OUTPUT.lock is the running job's lock (jobs/manifest.py), never removed here."""
+
+
+def has_output(path: Path) -> bool:
+    """Whether anything of a job's output is on disk (rows, progress, parts, errors)."""
+    return any(sibling(path, s).exists() for s in LEFTOVERS) or sibling(path, ".parts").exists()
+
+
+def remove_output(path: Path) -> None:
+    """--overwrite: everything a job left for OUTPUT."""
+    for leftover in LEFTOVERS:
+        sibling(path, leftover).unlink(missing_ok=True)
+    shutil.rmtree(sibling(path, ".parts"), ignore_errors=True)
 
 
 def open_writer(
     path: Path,
     num_rows: int,
     *,
-    overwrite: bool,
     id_field: str | None,
     checkpoint: Checkpoint = no_checkpoint,
 ) -> Writer:
-    """The writer of `path`, resumed from what is on disk (or emptied first with `overwrite`)."""
+    """The writer of `path`, resumed from what is on disk."""
     suffix = check_suffix(path, tuple(WRITERS), "output")
-    if overwrite:
-        for leftover in LEFTOVERS:
-            sibling(path, leftover).unlink(missing_ok=True)
-        shutil.rmtree(sibling(path, ".parts"), ignore_errors=True)
     return WRITERS[suffix](path, num_rows, id_field, checkpoint)

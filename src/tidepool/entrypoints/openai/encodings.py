@@ -3,7 +3,8 @@
 
 The ranges come from one file named at start: a `.npy` of shape [2, dim] (lowest, highest value
 of each dimension, as sentence-transformers' `ranges`), or any other file read as texts, one per
-line, embedded once with the model's defaults on the first request that needs them. They describe
+line, embedded once per model with its defaults on the first request that needs them (each model
+of a server has its own ranges; a .npy's fit the models of its width). They describe
 the model's default output (full size, its own normalization): a request whose embeddings have
 another size (`dimensions`, `output_dimension`) is refused. sentence-transformers stores no ranges
 with a model, so without the flag int8 / uint8 answer 400.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +42,24 @@ NO_RANGES_HINT = (
 
 
 class EmbeddingCalibration:
-    """The int8 / uint8 ranges of one server: loaded at start, or computed once from texts."""
+    """The int8 / uint8 ranges of one server, per model: a .npy's ranges (one width: the models
+    whose embeddings have it), or from a file of texts, each model's own, computed once per
+    model (keyed by its engine) on its first request that needs them."""
 
     def __init__(self, path: str | Path | None) -> None:
         self.path = None if path is None else Path(path)
-        self._ranges: np.ndarray | None = None
+        self._file_ranges: np.ndarray | None = None
         self._texts: list[str] = []
-        self._lock = asyncio.Lock()
+        self._ranges: weakref.WeakKeyDictionary[AsyncEngine, np.ndarray] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._locks: weakref.WeakKeyDictionary[AsyncEngine, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
         if self.path is None:
             return
         if self.path.suffix == ".npy":
-            self._ranges = load_ranges(self.path)
+            self._file_ranges = load_ranges(self.path)
             return
         self._texts = [line.strip() for line in self.path.read_text("utf-8").splitlines()]
         self._texts = [t for t in self._texts if t]
@@ -58,20 +67,26 @@ class EmbeddingCalibration:
             raise ValueError(f"{self.path}: a calibration set needs at least 2 texts (one a line)")
 
     async def ranges(self, engine: AsyncEngine, param: str) -> np.ndarray:
-        """[2, dim] float32; 400 naming `param` when the server has no calibration set."""
-        if self._ranges is not None:
-            return self._ranges
+        """[2, dim] float32 for the model of `engine`; 400 naming `param` when the server has
+        no calibration set."""
+        if self._file_ranges is not None:
+            return self._file_ranges
         if self.path is None:
             raise ApiError(
                 400, f"{param} int8 and uint8 need per-dimension ranges: " + NO_RANGES_HINT, param
             )
-        async with self._lock:
-            if self._ranges is None:
+        ranges = self._ranges.get(engine)
+        if ranges is not None:
+            return ranges
+        lock = self._locks.setdefault(engine, asyncio.Lock())
+        async with lock:
+            if engine not in self._ranges:
                 # A long line is cut to the model's length rather than failing every request.
                 params = [PoolingParams(task="embed", truncate_prompt_tokens=-1)] * len(self._texts)
                 outputs = await engine.encode(self._texts, params)
-                self._ranges = calibration_ranges(torch.stack([o.outputs.data for o in outputs]))
-        return self._ranges
+                stacked = torch.stack([o.outputs.data for o in outputs])
+                self._ranges[engine] = calibration_ranges(stacked)
+        return self._ranges[engine]
 
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -120,8 +135,10 @@ def quantize(
             check_ranges(ranges, array.shape[-1])
         except ValueError as e:
             message = (
-                f"{param}: {e}; int8 and uint8 quantize the model's full-size embeddings with "
-                "the ranges of --embedding-calibration (no dimensions / output_dimension)"
+                f"{param}: {e}; int8 and uint8 quantize a model's full-size embeddings (no "
+                "dimensions / output_dimension) with the ranges of --embedding-calibration: a "
+                ".npy of ranges fits the models of its width only, a file of texts gives each "
+                "model its own"
             )
             raise ApiError(400, message, param) from e
     return quantize_embeddings(array, embed_dtype, ranges=ranges)  # type: ignore[arg-type]

@@ -68,6 +68,14 @@ def parse_prompts(value: Any, param: str = "input") -> list[Any]:
         raise ApiError(400, f"{param} is an empty list: give at least one input", param)
     if all(_is_token_id(v) for v in value):
         return [{"prompt_token_ids": value}]
+    if _is_token_id(value[0]):  # a list of token ids with something else in it: name that
+        i = next(i for i, v in enumerate(value) if not _is_token_id(v))
+        raise ApiError(
+            400,
+            f"{param}[{i}] is {_value_kind(value[i])}: a list of token ids holds integers only "
+            f"({param} must be {INPUT_TYPES_HINT})",
+            param,
+        )
     prompts: list[Any] = []
     for i, item in enumerate(value):
         if isinstance(item, str):
@@ -147,6 +155,12 @@ def _message_text(content: Any, index: int) -> str | None:
             )
         texts.append(str(part.get("text", "")))
     return "\n".join(texts)
+
+
+def _value_kind(value: Any) -> str:
+    if isinstance(value, float):
+        return f"the number {value!r}" if value == value else "NaN"
+    return f"of type {type_name(value)}"
 
 
 def type_name(value: Any) -> str:

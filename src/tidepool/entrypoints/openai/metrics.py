@@ -22,7 +22,8 @@ Names follow vLLM's `vllm:` style with a `tidepool:` prefix:
     tidepool:requests_finished_total
     tidepool:shared_work_cache_hits_total / cache_misses_total / cache_evictions_total
     tidepool:shared_work_shared_total / computed_total    pooling inputs joined / sent to the engine
-    tidepool:shared_work_cache_entries                  results held by --embedding-cache-size
+    tidepool:shared_work_cache_entries                  results held in the result cache
+    tidepool:shared_work_cache_bytes / cache_max_bytes  their bytes, and the cache's byte bound
   and, per model (label `model_name`, as vLLM's), under vLLM's own names so its dashboards work:
     vllm:num_requests_running / num_requests_waiting / kv_cache_usage_perc      gauges
     vllm:prompt_tokens_total / generation_tokens_total / request_success_total   counters
@@ -118,7 +119,7 @@ def _shared_work_metrics(engines: dict[str, AsyncEngine]) -> Iterator[Metric]:
         ),
         (
             "cache_evictions",
-            "Result cache entries dropped at --embedding-cache-size (least recently used).",
+            "Result cache entries dropped at a bound (bytes or entries; least recently used).",
             "num_cache_evictions",
         ),
         (
@@ -136,9 +137,24 @@ def _shared_work_metrics(engines: dict[str, AsyncEngine]) -> Iterator[Metric]:
     entries = GaugeMetricFamily(
         "tidepool:shared_work_cache_entries", "Results held in the result cache.", labels=["model"]
     )
+    size = GaugeMetricFamily(
+        "tidepool:shared_work_cache_bytes",
+        "Bytes the result cache's entries take (tensors and keys), of its "
+        "--embedding-cache-bytes bound.",
+        labels=["model"],
+    )
+    bound = GaugeMetricFamily(
+        "tidepool:shared_work_cache_max_bytes",
+        "The result cache's byte bound (0: no cache).",
+        labels=["model"],
+    )
     for model, engine in engines.items():
         entries.add_metric([model], engine.shared_work.num_cached)
+        size.add_metric([model], engine.shared_work.cached_bytes)
+        bound.add_metric([model], engine.shared_work.options.max_cache_bytes)
     yield entries
+    yield size
+    yield bound
 
 
 _VLLM_GAUGES = (

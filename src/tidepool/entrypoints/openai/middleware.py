@@ -10,6 +10,7 @@ import hmac
 import logging
 import time
 
+import numpy as np
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -66,6 +67,23 @@ class MetricsMiddleware:
             self.metrics.observe_request(label, status, time.perf_counter() - start)
 
 
+def check_api_key(key: str, source: str) -> str:
+    """A key a client can send: ValueError for an empty one (which would serve every route
+    unauthenticated) or one with whitespace around it (the header's value is stripped, so it
+    could never match); `source` names where it came from (--api-key, TIDEPOOL_API_KEY)."""
+    if not key.strip():
+        raise ValueError(
+            f"{source} is empty: give a key, or leave it out to serve without authentication"
+        )
+    if key != key.strip():
+        raise ValueError(
+            f"{source} has whitespace around it ({len(key) - len(key.lstrip())} before, "
+            f"{len(key) - len(key.rstrip())} after): clients send the key without it, so it could "
+            "never match; remove it"
+        )
+    return key
+
+
 class ApiKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` matches (the scheme in any case, as RFC 7235
     says; the key compared in constant time)."""
@@ -92,12 +110,50 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class BodyLimitMiddleware:
-    """413 for bodies over the limit: by Content-Length up front, else while streaming in."""
+MAX_JSON_DEPTH = 64
+"""Most levels of arrays and objects a request body may nest. Real bodies nest a few (a chat
+message's content parts: 4); without a limit a ~1,000-deep body ran into the recursion limits
+of parsers and of code walking it, differently on each path (a 500 on one, a 400 on another)."""
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+_NESTING_STEP = np.zeros(256, np.int8)
+_NESTING_STEP[[ord("["), ord("{")]] = 1
+_NESTING_STEP[[ord("]"), ord("}")]] = -1
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+def json_depth(raw: bytes) -> int:
+    """How deep `raw` nests arrays and objects (brackets in strings not counted), for bodies
+    with more brackets than MAX_JSON_DEPTH; fewer cannot nest deeper, and are not scanned."""
+    if b"\\" in raw:
+        # Escaped backslashes, then escaped quotes, are text: dropped, left to right as JSON
+        # pairs each backslash with the byte after it, no quote left can be one of them.
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    raw = raw.translate(None, _NOT_STRUCTURE)  # only brackets and quotes are left
+    array = np.frombuffer(raw, np.uint8)
+    steps = _NESTING_STEP[array]
+    if b'"' in raw:
+        # A byte after an odd number of quotes is inside a string (its closing quote excluded).
+        steps[np.cumsum(array == ord('"'), dtype=np.int64) % 2 == 1] = 0
+    steps = steps[steps != 0]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0)) if len(steps) else 0
+
+
+def _nesting_error(depth: int) -> HTTPException:
+    return HTTPException(
+        400,
+        f"the request body nests arrays and objects {depth} levels deep; this server reads at "
+        f"most {MAX_JSON_DEPTH}",
+    )
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit: by Content-Length up front, else while streaming in; 400
+    for a body nesting deeper than MAX_JSON_DEPTH, once it is in (every route, on every path:
+    the check is in the body's stream, before any parser reads it)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_depth = max_depth
 
     def _message(self, num_bytes: int | None) -> str:
         size = f"{num_bytes} bytes" if num_bytes is not None else "more"
@@ -114,18 +170,26 @@ class BodyLimitMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await error_response(413, self._message(int(length)))(scope, receive, send)
             return
-        num_received = 0
+        num_received = num_brackets = 0
+        chunks: list[bytes] = []
 
-        async def counting_receive() -> Message:
-            nonlocal num_received
+        async def checking_receive() -> Message:
+            nonlocal num_received, num_brackets
             message = await receive()
             if message["type"] == "http.request":
-                num_received += len(message.get("body", b""))
+                chunk = message.get("body", b"")
+                num_received += len(chunk)
                 if num_received > self.max_bytes:  # chunked upload without a Content-Length
                     raise HTTPException(413, self._message(None))
+                chunks.append(chunk)
+                num_brackets += chunk.count(b"[") + chunk.count(b"{")
+                if not message.get("more_body", False) and num_brackets > self.max_depth:
+                    depth = json_depth(b"".join(chunks))
+                    if depth > self.max_depth:
+                        raise _nesting_error(depth)
             return message
 
-        await self.app(scope, counting_receive, send)
+        await self.app(scope, checking_receive, send)
 
 
 class JsonBodyMiddleware:

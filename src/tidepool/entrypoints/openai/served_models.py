@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,7 @@ class ServedModels:
                 TeiServing(serving),
             )
             for name in named.names:
+                check_served_name(name)
                 if name in self._by_name:
                     raise ValueError(f"the served model name {name!r} is given to two models")
                 self._by_name[name] = model
@@ -122,6 +123,21 @@ class ServedModels:
             )
         return model
 
+    def resolve_tei(
+        self, requested: str | None, query: Mapping[str, str], task: str
+    ) -> ServedModel:
+        """A TEI route's model: the body's `model` or `?model=` (both: they must agree), else
+        the first model that serves `task`."""
+        in_query = query.get("model")
+        if requested and in_query and requested != in_query:
+            raise ApiError(
+                400,
+                f"the body names the model `{requested}` and ?model= names `{in_query}`: give one",
+                "model",
+            )
+        name = requested or in_query
+        return self.resolve(name) if name else self.serving_task(task)
+
     def serving_task(self, task: str | None) -> ServedModel:
         """The first model that serves the pooling task (None: any), else the default (which
         then answers its own 400): for the routes whose requests name no model (TEI's)."""
@@ -141,6 +157,18 @@ class ServedModels:
             "status": "ok" if all(s == "running" for s in states.values()) else "error",
             "models": states,
         }
+
+
+def check_served_name(name: str) -> str:
+    """A name a client can send in `model`: not empty, no spaces around it (ValueError)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(
+            f"a served model name cannot be empty ({name!r}): a request naming no model goes to "
+            "the first model already; give each --served-model-name a name"
+        )
+    if name != name.strip():
+        raise ValueError(f"the served model name {name!r} has spaces around it: remove them")
+    return name
 
 
 # ---------------------------------------------------------------------- loading

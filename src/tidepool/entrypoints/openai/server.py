@@ -63,6 +63,7 @@ from tidepool.entrypoints.openai.middleware import (
     InternalErrorMiddleware,
     JsonBodyMiddleware,
     MetricsMiddleware,
+    check_api_key,
 )
 from tidepool.entrypoints.openai.routes_compat import add_compat_routes
 from tidepool.entrypoints.openai.routes_vllm import InvocationsMiddleware, add_cors, add_vllm_routes
@@ -279,8 +280,8 @@ def build_app(
     app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
     app.add_middleware(AdmissionMiddleware, admission=admission)
-    if args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    if args.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=check_api_key(args.api_key, "api_key"))
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known_paths)
     add_cors(app, args)
     return app
@@ -314,10 +315,18 @@ def _add_routes(
         body_type: type,
         exclude_none: bool = False,
         count_tokens: bool = True,
+        tei_task: str | None = None,
     ) -> None:
+        """`tei_task`: a TEI route, whose model may also come from `?model=` (none named: the
+        first model serving that task, as TEI's other routes)."""
+
         async def answer(body: Any, raw_request: Request) -> Response:
             async def work() -> Response:
-                model = models.resolve(getattr(body, "model", None))
+                requested = getattr(body, "model", None)
+                if tei_task is not None:
+                    model = models.resolve_tei(requested, raw_request.query_params, tei_task)
+                else:
+                    model = models.resolve(requested)
                 result = await service(model)(body)
                 if isinstance(result, Response):  # a binary answer (encoding_format bytes)
                     return result
@@ -348,7 +357,12 @@ def _add_routes(
     engine_route("/v1/embeddings", lambda m: m.serving.embed, p.EmbeddingRequest)
     engine_route("/pooling", lambda m: m.serving.pool, p.PoolingRequest)
     engine_route("/classify", lambda m: m.serving.classify, p.ClassificationRequest)
-    engine_route("/embed_sparse", lambda m: m.sparse.embed_sparse, pt.EmbedSparseRequest)
+    engine_route(
+        "/embed_sparse",
+        lambda m: m.sparse.embed_sparse,
+        pt.EmbedSparseRequest,
+        tei_task="embed_sparse",
+    )
     for path in ("/score", "/v1/score"):
         engine_route(path, lambda m: m.serving.score, p.ScoreRequest)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

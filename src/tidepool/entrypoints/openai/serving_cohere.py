@@ -3,6 +3,9 @@ one list of embeddings per requested `embedding_types` out."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -35,6 +38,25 @@ def model_prompt(serving: OpenAIServing, names: tuple[str, ...]) -> str:
     return next((st.prompts[name] for name in names if name in st.prompts), "")
 
 
+_PUBLIC_NAMES = (("truncate_prompt_tokens", "max_tokens"), ("dimensions", "output_dimension"))
+"""The engine's parameter names in its messages → the fields of Cohere's body that set them."""
+
+
+@contextlib.contextmanager
+def cohere_names() -> Iterator[None]:
+    """An error about an engine parameter names the Cohere field the client sent instead."""
+    try:
+        yield
+    except ApiError as e:
+        message, param = e.message, e.param
+        for internal, public in _PUBLIC_NAMES:
+            message = re.sub(rf"\b{internal}\b", public, message)
+            param = public if param == internal else param
+        if (message, param) == (e.message, e.param):
+            raise
+        raise ApiError(e.status, message, param, e.headers) from e
+
+
 class CohereServing:
     request_type = pc.CohereEmbedRequest
 
@@ -64,16 +86,18 @@ class CohereServing:
         if any(t in ENCODINGS and needs_ranges(t) for t in types):
             ranges = await serving.ranges_for("int8", "embedding_types")
         truncate_prompt_tokens, side = self._truncation(req)
-        params = serving._params(
-            "texts",
-            task="embed",
-            dimensions=req.output_dimension,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            truncation_side=side,
-        )
         prompt = model_prompt(serving, _PROMPT_NAMES.get(req.input_type or "", ()))
         prompts = [prompt + text for text in texts]
-        outputs = await serving._run(serving.engine.encode(prompts, [params] * len(texts)), "texts")
+        with cohere_names():
+            params = serving._params(
+                "texts",
+                task="embed",
+                dimensions=req.output_dimension,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=side,
+            )
+            work = serving.engine.encode(prompts, [params] * len(texts))
+            outputs = await serving._run(work, "texts")
         vectors = [o.outputs.data for o in outputs]
         embeddings = {t: [_encode(v, t, ranges) for v in vectors] for t in types}
         num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
