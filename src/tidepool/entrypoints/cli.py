@@ -21,10 +21,10 @@ from tidepool.entrypoints.cli_args import (
     _port,
     _positive_float,
     _positive_int,
-    add_hub_args,
 )
 from tidepool.entrypoints.cli_parts import (
     HelpFormatter,
+    add_download_parser,
     add_example_models_parser,
     add_shared_work_args,
     exposure_warning,
@@ -451,45 +451,6 @@ def cmd_embed_ray(args: argparse.Namespace, model: str, engine_kwargs: dict[str,
     return 0
 
 
-# ---------------------------------------------------------------------- download
-
-
-def _add_download_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "download",
-        formatter_class=HelpFormatter,
-        help="fetch a Hub model into the Hugging Face cache ahead of time",
-        description="Download the files of MODEL that tidepool loads (config, tokenizer, "
-        "safetensors, sentence-transformers modules; no ONNX / TF / Flax / duplicate .bin) into "
-        "the Hugging Face cache, and print the snapshot's folder. A later load finds it there, "
-        "also with HF_HUB_OFFLINE=1.",
-    )
-    parser.add_argument(
-        "model", metavar="MODEL", help="Hub model id, e.g. BAAI/bge-small-en-v1.5 (no default)"
-    )
-    add_hub_args(parser)
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="also fetch the model's own code (*.py), which trust_remote_code=True runs",
-    )
-    parser.set_defaults(func=cmd_download)
-
-
-def cmd_download(args: argparse.Namespace) -> int:
-    from tidepool.models.loader import fetch_snapshot
-
-    location = fetch_snapshot(
-        args.model,
-        revision=args.revision,
-        download_dir=args.download_dir,
-        hf_token=args.hf_token,
-        trust_remote_code=args.trust_remote_code,
-    )
-    print(location.path)
-    return 0
-
-
 # ---------------------------------------------------------------------- main
 
 
@@ -501,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(subparsers)
     _add_embed_parser(subparsers)
-    _add_download_parser(subparsers)
+    add_download_parser(subparsers)
     add_example_models_parser(subparsers)
     return parser
 

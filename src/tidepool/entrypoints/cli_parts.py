@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tidepool.engine.shared_work import SharedWorkOptions
+from tidepool.entrypoints.cli_args import add_hub_args
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -145,4 +146,43 @@ def cmd_example_models(args: argparse.Namespace) -> int:
 
     path = example_cross_encoder(args.folder, seed=args.seed)
     print(f"{path}  (random weights: for trying the API, its scores mean nothing)")
+    return 0
+
+
+# ---------------------------------------------------------------------- download
+
+
+def add_download_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "download",
+        formatter_class=HelpFormatter,
+        help="fetch a Hub model into the Hugging Face cache ahead of time",
+        description="Download the files of MODEL that tidepool loads (config, tokenizer, "
+        "safetensors, sentence-transformers modules; no ONNX / TF / Flax / duplicate .bin) into "
+        "the Hugging Face cache, and print the snapshot's folder. A later load finds it there, "
+        "also with HF_HUB_OFFLINE=1.",
+    )
+    parser.add_argument(
+        "model", metavar="MODEL", help="Hub model id, e.g. BAAI/bge-small-en-v1.5 (no default)"
+    )
+    add_hub_args(parser)
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="also fetch the model's own code (*.py), which trust_remote_code=True runs",
+    )
+    parser.set_defaults(func=cmd_download)
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from tidepool.models.loader import fetch_snapshot
+
+    location = fetch_snapshot(
+        args.model,
+        revision=args.revision,
+        download_dir=args.download_dir,
+        hf_token=args.hf_token,
+        trust_remote_code=args.trust_remote_code,
+    )
+    print(location.path)
     return 0
