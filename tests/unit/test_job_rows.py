@@ -204,10 +204,14 @@ def test_on_error_fail_stops_at_the_first_bad_row(tmp_path: Path, engine, capsys
     assert main([*args, "--on-error", "fail"]) == 1
     assert "line 4, row 3: not valid JSON" in capsys.readouterr().err
     assert _read(out)[0] == [0, 1, 2]  # the rows before it are written
-    # Fixed input: the rerun resumes after the rows already there.
+    # Fixed input: another input than the rows were written from (the job manifest's input
+    # fingerprint), so the rerun is refused, naming --overwrite, and writes nothing ...
     src.write_text("\n".join(rows[:3] + ['{"text": "fixed"}', rows[4]]) + "\n")
-    assert main([*args, "--on-error", "fail"]) == 0
-    assert "resuming: 3 of 5 rows" in capsys.readouterr().out
+    assert main([*args, "--on-error", "fail"]) != 0
+    assert "--overwrite" in capsys.readouterr().err
+    assert _read(out)[0] == [0, 1, 2]
+    # ... and --overwrite starts again.
+    assert main([*args, "--on-error", "fail", "--overwrite"]) == 0
     assert _read(out)[0] == [0, 1, 2, 3, 4]
     assert not (tmp_path / "out.jsonl.errors.jsonl").exists()
 
