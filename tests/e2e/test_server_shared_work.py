@@ -315,8 +315,10 @@ def test_a_per_token_cache_stays_within_its_byte_bound(wide_per_token_model) -> 
     held = sum(output.data.untyped_storage().nbytes() for output, _ in shared._cache.values())
     assert 0.5 * CACHE_BYTES < held <= shared.cached_bytes <= CACHE_BYTES
     assert shared.num_cached < 2000 and shared.stats.num_cache_evictions > 0
-    if peak is not None:  # the bound plus the allocator's noise, far below ~100 MiB
-        assert peak < CACHE_BYTES + (64 << 20), peak >> 20
+    if peak is not None:
+        # The bound plus the allocator's and the server's noise (a loaded 2-core run measured
+        # 85 MiB of growth once): still well below the ~220 MiB an unbounded cache grows by.
+        assert peak < CACHE_BYTES + (112 << 20), peak >> 20
 
 
 def test_cache_occupancy_in_metrics(tiny_model_path) -> None:

@@ -27,9 +27,9 @@ import asyncio
 import contextlib
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sized
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -151,7 +151,8 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 def entry_bytes(key: WorkKey, output: PoolingOutput) -> int:
     """A cache entry's price: its output's tensors, its key's token ids, a fixed overhead."""
-    num_key_tokens = len(key[0]) + (len(key[1]) if key[1] is not None else 0)
+    first, second = cast(Sized, key[0]), cast("Sized | None", key[1])  # the token ids
+    num_key_tokens = len(first) + (len(second) if second is not None else 0)
     return ENTRY_OVERHEAD_BYTES + KEY_BYTES_PER_TOKEN * num_key_tokens + tensor_bytes(output.data)
 
 

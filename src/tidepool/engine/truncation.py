@@ -47,8 +47,9 @@ def keeps_last(budget: Budget, params: PoolingParams) -> bool:
     return budget.truncate and params.truncation_side == "left"
 
 
-def keep(token_ids: list[int], num_tokens: int | None, side: str) -> list[int]:
-    """The first `num_tokens` ids ("right": the end is cut), or the last ("left"); None = all."""
+def keep(token_ids: list[int], num_tokens: int | None, side: str | None) -> list[int]:
+    """The first `num_tokens` ids ("right" or None: the end is cut), or the last ("left");
+    num_tokens None = all."""
     if num_tokens is None:
         return token_ids
     if side == "left":
