@@ -39,16 +39,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from corpus import make_corpus  # noqa: E402
 
-from tidepool.attention import cpu_features, cpu_kernels, torch_backend  # noqa: E402
+from tidepool.attention import cpu_kernels, torch_backend  # noqa: E402
 from tidepool.attention.backend import CPU_KERNEL, CpuKernelBackend  # noqa: E402
 from tidepool.attention.metadata import build_encoder_metadata, pad_buckets  # noqa: E402
+from tidepool.kernels import cpu_features
 
 
 def step_lengths(num_tokens: int, max_len: int = 256) -> list[int]:
     """Token lengths of corpus texts (MiniLM's tokenizer), longest first, filling one step."""
     from transformers import AutoTokenizer
 
-    from tidepool.models.loader import resolve_model_path
+    from tidepool.checkpoint.loader import resolve_model_path
 
     path = resolve_model_path("sentence-transformers/all-MiniLM-L6-v2")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -67,7 +68,7 @@ def end_to_end(num_texts: int, rounds: int) -> None:
 
     from tidepool import LLM
     from tidepool.attention.backend import BUCKETED_SDPA
-    from tidepool.models.loader import resolve_model_path
+    from tidepool.checkpoint.loader import resolve_model_path
 
     name = "sentence-transformers/all-MiniLM-L6-v2"
     texts = make_corpus(num_texts)

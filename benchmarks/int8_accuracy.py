@@ -36,10 +36,10 @@ from corpus import make_corpus  # noqa: E402
 from int8_simulate import SimulatedInt8Linear, simulated_builder  # noqa: E402
 
 from tidepool import LLM  # noqa: E402
-from tidepool.models import quantization  # noqa: E402
 from tidepool.models.interfaces import attach_attention_backend  # noqa: E402
 from tidepool.models.layers.linear import Linear  # noqa: E402
-from tidepool.models.quantization import (  # noqa: E402
+from tidepool.quantization import int8 as quantization  # noqa: E402
+from tidepool.quantization.int8 import (  # noqa: E402
     FFN_DOWN,
     Int8Recipe,
     build_int8_linear,

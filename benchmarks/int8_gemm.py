@@ -14,7 +14,7 @@ taking medians, in GOP/s (2 x tokens x in x out per call):
 
 and the whole layer as an int8 mode would run it, quantizing its float32 input first:
 
-  dyn_tok     tidepool's Int8Linear (models/layers/int8_linear.py): per-token scales (row max,
+  dyn_tok     tidepool's Int8Linear (quantization/int8_linear.py): per-token scales (row max,
               one addcmul that rounds, a cast), qlinear with scale 1 and no bias (float32 out),
               then the row scales and the bias in one addcmul
   dyn_tok_mm  the same with torch._int_mm and an eager dequantization
@@ -35,8 +35,8 @@ import tidepool  # noqa: F401
 # isort: split
 import torch
 
-from tidepool.models.layers.int8_linear import Int8Linear, quantize_per_token
 from tidepool.models.layers.linear import Linear
+from tidepool.quantization.int8_linear import Int8Linear, quantize_per_token
 
 MODEL_SHAPES = {
     # (in, out) of one layer's GEMMs: fused QKV, attention output, FFN up, FFN down.

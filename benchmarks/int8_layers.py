@@ -25,8 +25,8 @@ import tidepool  # noqa: F401
 # isort: split
 import torch
 
-from tidepool.models.layers.int8_linear import Int8Linear
 from tidepool.models.layers.linear import Linear
+from tidepool.quantization.int8_linear import Int8Linear
 
 VARIANTS = ("onednn", "auto")  # TIDEPOOL_INT8_GEMM values: oneDNN + epilogue kernels, AMX
 

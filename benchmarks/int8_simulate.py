@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from tidepool.models.layers.activation import get_activation
-from tidepool.models.layers.int8_linear import quantize_per_token
 from tidepool.models.layers.linear import Linear, combine
-from tidepool.models.quantization import Int8Builder, Int8LinearPlan
-from tidepool.models.quantization_weights import WEIGHT_LO_FACTOR
+from tidepool.quantization.int8 import Int8Builder, Int8LinearPlan
+from tidepool.quantization.int8_linear import quantize_per_token
+from tidepool.quantization.weights import WEIGHT_LO_FACTOR
 
 _MIN_SCALE = 1e-12
 
@@ -49,7 +49,7 @@ def fake_quantize(x: torch.Tensor, scheme: str) -> torch.Tensor:
         step = scale / WEIGHT_LO_FACTOR
         return high + torch.round((x - high) / step).clamp_(-127, 127) * step
     if scheme == "symmetric":
-        q, scale = quantize_per_token(x)  # tidepool's own quantizer (models/layers/int8_linear.py)
+        q, scale = quantize_per_token(x)  # tidepool's own quantizer (quantization/int8_linear.py)
         return q.float() * scale
     if scheme == "asymmetric":
         q, scale, zero = quantize_per_token_asymmetric(x)

@@ -123,10 +123,10 @@ def vllm_preload(vllm_python: str) -> str:
 
 def cpu_flags() -> str:
     """The CPU's model and the instruction sets that decide the kernel and GEMM paths
-    (tidepool's attention/cpu_features.py: AVX2 / AVX-512 builds; VNNI: int8; AVX512-BF16 /
+    (tidepool's kernels/cpu_features.py: AVX2 / AVX-512 builds; VNNI: int8; AVX512-BF16 /
     AMX: bf16), with TIDEPOOL_CPU_ISA's cap when set."""
     try:
-        from tidepool.attention import cpu_features
+        from tidepool.kernels import cpu_features
     except ImportError:  # a tidepool without the module: the flags alone
         flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
         have = " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
@@ -141,8 +141,9 @@ def kernel_paths() -> str:
     kernels, and the int8 linears' GEMM and epilogues. Nothing is built here."""
     try:
         from tidepool import envs
-        from tidepool.attention import cpu_features, cpu_kernels
-        from tidepool.models.layers import int8_ops
+        from tidepool.attention import cpu_kernels
+        from tidepool.kernels import cpu_features
+        from tidepool.quantization import int8_ops
     except ImportError as e:
         return f"unknown ({e})"
     if envs.cpu_attention() == "sdpa":
@@ -151,7 +152,7 @@ def kernel_paths() -> str:
     attention = f"tidepool kernel, {isa} build" if isa else "PyTorch SDPA"
     if isa and cpu_features.usable("amx"):
         attention += " (+ AMX-bf16 products for bfloat16 / int8)"
-    from tidepool.models.layers.int8_linear import int8_gemm_available, onednn_int8_saturates
+    from tidepool.quantization.int8_linear import int8_gemm_available, onednn_int8_saturates
 
     int8_isa = int8_ops.chosen_isa()
     amx = cpu_features.usable("amx") and envs.int8_gemm() == "auto"

@@ -145,7 +145,7 @@ def roofline(shape: EncoderShape, dtype: torch.dtype, seq_len: float) -> dict[st
 def main() -> None:
     from transformers import AutoConfig
 
-    from tidepool.models.loader import DEFAULT_MODEL, resolve_model_path
+    from tidepool.checkpoint.loader import DEFAULT_MODEL, resolve_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)

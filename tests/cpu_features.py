@@ -25,8 +25,8 @@ import pytest
 
 @cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's flags, as the product reads them (tidepool.attention.cpu_features)."""
-    from tidepool.attention import cpu_features
+    """The CPU's flags, as the product reads them (tidepool.kernels.cpu_features)."""
+    from tidepool.kernels import cpu_features
 
     return cpu_features.cpu_flags()
 
@@ -64,14 +64,14 @@ def amx_bf16_available() -> bool:
 
 @cache
 def int8_gemm_available() -> bool:
-    from tidepool.models.layers.int8_linear import int8_gemm_available as available
+    from tidepool.quantization.int8_linear import int8_gemm_available as available
 
     return available()
 
 
 @cache
 def amx_int8_available() -> bool:
-    from tidepool.models.layers import int8_ops
+    from tidepool.quantization import int8_ops
 
     return int8_gemm_available() and int8_ops.load_amx() is not None
 

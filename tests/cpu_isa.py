@@ -1,5 +1,5 @@
 """Running a kernel test once per ISA build of tidepool's CPU kernels (csrc/cpu_simd.h): each
-build the CPU can run, chosen through the TIDEPOOL_CPU_ISA cap (attention/cpu_features.py) so
+build the CPU can run, chosen through the TIDEPOOL_CPU_ISA cap (kernels/cpu_features.py) so
 that the models and layers built in the test take it too; the builds the CPU cannot run are
 skipped with the flags they lack in the reason."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tidepool.attention import cpu_features
+from tidepool.kernels import cpu_features
 
 
 def isa_params(levels: tuple[str, ...]) -> list:

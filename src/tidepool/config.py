@@ -1,5 +1,5 @@
 """Engine configuration: frozen dataclasses, built once from the entry point's arguments
-(models/resolve.py's `build_model_config` for the model) and read-only afterwards.
+(model_loader/resolve.py's `build_model_config` for the model) and read-only afterwards.
 
 A leaf: of tidepool it imports only devices.py (which imports none), so every layer may import it.
 """
@@ -80,7 +80,7 @@ OUTPUT_HEADS: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class MultiVectorMeta:
     """A ColBERT (late-interaction) model: one vector per token, queries and documents encoded
-    by different rules (the colbert-ir and PyLate layouts; models/colbert.py reads them)."""
+    by different rules (the colbert-ir and PyLate layouts; model_loader/colbert.py reads them)."""
 
     query_prefix: str | None
     """Marker token inserted after the first special token of a query ("[unused0]", "[Q] ");
@@ -211,7 +211,7 @@ POOLER_CONFIG_REFUSED = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model: where it is, what it is, what it runs as (models/resolve.py builds it)."""
+    """The model: where it is, what it is, what it runs as (model_loader/resolve.py builds it)."""
 
     model: str
     """The name the user gave (a folder or a model id)."""
@@ -240,8 +240,8 @@ class ModelConfig:
     """End-of-sequence ids from generation_config.json (else config.json); generation stops there."""
     model_impl: str = "native"
     """ "native" (tidepool's model code), "transformers" (Hugging Face's modeling code with
-    tidepool's attention: models/transformers_backend.py) or "fallback" (the HF model as it is,
-    on padded batches: models/fallback.py)."""
+    tidepool's attention: transformers_backend/backend.py) or "fallback" (the HF model as it is,
+    on padded batches: transformers_backend/fallback.py)."""
     trust_remote_code: bool = False
     """The transformers backend may run modeling code shipped in the model folder."""
     output_head: str = "task"
@@ -259,13 +259,13 @@ class ModelConfig:
     pooler: PoolerConfig = field(default_factory=PoolerConfig)
     """Pooler options given by the user (chunked processing of long inputs)."""
     quantization: str | None = None
-    """ "int8": the encoder's linear layers run int8 GEMMs (models/quantization.py); None: the
+    """ "int8": the encoder's linear layers run int8 GEMMs (quantization/int8.py); None: the
     model runs in `dtype` throughout."""
     revision: str | None = None
     """The Hub revision asked for (branch, tag or commit); None: the default branch."""
     source: str = "local folder"
     """Where the folder came from: "local folder", "Hugging Face cache", "Hub" or "package
-    <name>" (models/loader.py)."""
+    <name>" (checkpoint/loader.py)."""
     commit: str | None = None
     """The Hub commit of the snapshot (from the cache or the Hub); None for a local folder or a
     package."""

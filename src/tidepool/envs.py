@@ -44,12 +44,12 @@ def cpu_attention() -> str:
 
 
 CPU_ISAS = ("auto", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "avx512_bf16", "amx")
-"""TIDEPOOL_CPU_ISA's values: "auto" and attention/cpu_features.py's LEVELS, ascending."""
+"""TIDEPOOL_CPU_ISA's values: "auto" and kernels/cpu_features.py's LEVELS, ascending."""
 
 
 def cpu_isa() -> str:
     """TIDEPOOL_CPU_ISA: the highest instruction-set level tidepool's CPU kernels may use, as
-    oneDNN's ONEDNN_MAX_CPU_ISA caps oneDNN's (attention/cpu_features.py): "avx2" runs the AVX2
+    oneDNN's ONEDNN_MAX_CPU_ISA caps oneDNN's (kernels/cpu_features.py): "avx2" runs the AVX2
     builds on an AVX-512 CPU, "avx512" keeps the AMX paths off. "auto" (default): no cap. A cap
     above what the CPU has changes nothing; torch's own oneDNN is not capped by it."""
     value = (os.environ.get("TIDEPOOL_CPU_ISA") or "auto").lower()
@@ -71,7 +71,7 @@ def int8_gemm() -> str:
 def int8_two_part() -> str:
     """TIDEPOOL_INT8_TWO_PART: which weights the int8 mode's sensitive linears (QKV, FFN up and
     down) get. "auto" (default): two-part (~15-bit, two int8 GEMMs) only when one-part weights
-    leave the load check's error above models/quantization.py's MAX_ONE_PART_ERROR (the level
+    leave the load check's error above quantization/int8.py's MAX_ONE_PART_ERROR (the level
     that keeps ~0.95 top-10 retrieval overlap with float32); "always"; "never" (one GEMM per
     linear: fastest, cos ~0.999 but less retrieval overlap on models with outlier channels)."""
     value = (os.environ.get("TIDEPOOL_INT8_TWO_PART") or "auto").lower()

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from tidepool import LLM, PoolingParams
-from tidepool.models.hub import HubOptions, find_in_cache
-from tidepool.models.loader import DEFAULT_MODEL as MINILM_ID
+from tidepool.checkpoint.hub import HubOptions, find_in_cache
+from tidepool.checkpoint.loader import DEFAULT_MODEL as MINILM_ID
 
 pytestmark = pytest.mark.slow  # the real model: ~10 s in all
 

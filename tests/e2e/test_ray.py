@@ -22,10 +22,10 @@ pytest.importorskip("ray.data")
 pytest.importorskip("ray.serve")
 
 from tidepool import LLM  # noqa: E402
+from tidepool.checkpoint.loader import DEFAULT_MODEL  # noqa: E402
 from tidepool.entrypoints.cli import main  # noqa: E402
 from tidepool.jobs.demo import demo_corpus  # noqa: E402
 from tidepool.jobs.plan import DONE_DIR, SUCCESS  # noqa: E402
-from tidepool.models.loader import DEFAULT_MODEL  # noqa: E402
 from tidepool.ray import Predictor, embed_dataset, score_dataset  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from hub_server import DECOYS, folder_files
 from serverlib import start_server
 
 from tidepool import LLM
-from tidepool.models.hub import select_files
+from tidepool.checkpoint.hub import select_files
 
 pytestmark = pytest.mark.slow  # two server starts
 

@@ -10,7 +10,7 @@ import torch
 from conftest import copy_bert_tokenizer
 
 from tidepool import LLM, PoolingParams, SamplingParams
-from tidepool.attention import backend, cpu_features, cpu_kernels
+from tidepool.attention import backend, cpu_kernels
 from tidepool.attention.backend import (
     BUCKETED_SDPA,
     CPU_KERNEL,
@@ -21,6 +21,7 @@ from tidepool.attention.backend import (
     select_decoder_backend,
     select_encoder_backend,
 )
+from tidepool.kernels import cpu_features
 from tidepool.models.interfaces import (
     ClassifierHead,
     DecoderModel,
@@ -257,7 +258,7 @@ def test_native_bodies_and_gemma_declare_their_contracts():
 
 
 def test_transformers_backend_models_declare_their_contracts(tiny_model_path, tiny_decoder_path):
-    from tidepool.models.transformers_wrappers import (
+    from tidepool.transformers_backend.wrappers import (
         TransformersDecoderModel,
         TransformersEncoderModel,
     )

@@ -61,7 +61,7 @@ def test_runner_generate_still_generates(st_qwen3_lm):
 
 def test_folder_without_st_files_says_which_pooling(tiny_model_path, caplog):
     """vLLM's rule (CLS + normalize for BERT) where sentence-transformers would pool MEAN: said."""
-    from tidepool.models.resolve import build_model_config
+    from tidepool.model_loader.resolve import build_model_config
 
     folder = tiny_model_path("bert")
     assert not (folder / "modules.json").exists()

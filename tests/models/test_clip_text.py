@@ -27,7 +27,7 @@ from st_metadata import write_st_metadata
 from tolerances import assert_close, assert_cosine_close
 
 from tidepool import LLM, PoolingParams
-from tidepool.models import transformers_attention
+from tidepool.transformers_backend import attention as transformers_attention
 
 RAW = PoolingParams(normalize=False)
 SPECIAL = ["<|startoftext|>", "<|endoftext|>", "<|pad|>"]  # ids 0, 1, 2
@@ -192,10 +192,10 @@ def _ignore_causal(monkeypatch) -> None:
 
 
 def test_load_check_moves_a_wrong_backend_to_the_fallback(clip_tiny, monkeypatch, caplog):
-    """The backend's load-time check (models/transformers_check.py) catches a mask it drops:
+    """The backend's load-time check (transformers_backend/check.py) catches a mask it drops:
     auto runs the tower on the fallback, with one line saying why, and the numbers stay
     transformers'; model_impl="transformers" refuses it."""
-    from tidepool.models.fallback import BackendDisagreementError
+    from tidepool.transformers_backend.fallback import BackendDisagreementError
 
     folder, hf = clip_tiny("projection")
     _ignore_causal(monkeypatch)

@@ -368,7 +368,7 @@ def test_options_without_a_meaning_are_refused_at_load(option, message, tmp_path
 
 
 @pytest.mark.skipif(
-    not __import__("tidepool.models.layers.int8_linear", fromlist=["x"]).int8_gemm_available(),
+    not __import__("tidepool.quantization.int8_linear", fromlist=["x"]).int8_gemm_available(),
     reason="this torch build has no oneDNN int8 linear",
 )
 def test_int8_close_to_float32(deberta_paths):

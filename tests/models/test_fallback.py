@@ -1,4 +1,4 @@
-"""The fallback (models/fallback.py): Hugging Face models run as they are, on padded batches, for
+"""The fallback (transformers_backend/fallback.py): Hugging Face models run as they are, on padded batches, for
 architectures the transformers backend cannot plug its attention into. float32 on CPU, against
 sentence-transformers on the same folder.
 
@@ -21,8 +21,8 @@ from conftest import TINY_SIZES, TINY_TEXTS, copy_bert_tokenizer, write_st_pooli
 from tolerances import assert_close
 
 from tidepool import LLM, PoolingParams
-from tidepool.models.fallback import UnpoolableModelError
-from tidepool.models.transformers_attention import UnsupportedAttentionError
+from tidepool.transformers_backend.attention import UnsupportedAttentionError
+from tidepool.transformers_backend.fallback import UnpoolableModelError
 
 RAW = PoolingParams(normalize=False)
 MODELS = {
@@ -142,7 +142,7 @@ def test_backend_failing_at_first_forward_falls_back(fallback_path, monkeypatch,
     model_impl="transformers" stays strict (the error comes at load)."""
     from sentence_transformers import SentenceTransformer
 
-    from tidepool.models.transformers_wrappers import TransformersEncoderModel
+    from tidepool.transformers_backend.wrappers import TransformersEncoderModel
 
     path = fallback_path("electra")
     assert type(LLM(str(path), device="cpu").engine.model_runner.model) is TransformersEncoderModel
@@ -172,8 +172,8 @@ def test_backend_disagreeing_with_transformers_falls_back(fallback_path, monkeyp
     and auto runs the fallback, with one line saying why; model_impl="transformers" refuses."""
     from sentence_transformers import SentenceTransformer
 
-    from tidepool.models import transformers_attention
-    from tidepool.models.fallback import BackendDisagreementError
+    from tidepool.transformers_backend import attention as transformers_attention
+    from tidepool.transformers_backend.fallback import BackendDisagreementError
 
     attend = transformers_attention.EncoderStep.attend
 

@@ -13,10 +13,11 @@ import torch
 from tidepool import LLM
 from tidepool.entrypoints.cli import build_parser
 from tidepool.entrypoints.cli_args import _engine_kwargs
-from tidepool.models import quantization, quantization_weights
-from tidepool.models.layers import int8_ops
-from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
 from tidepool.models.layers.linear import Linear
+from tidepool.quantization import int8 as quantization
+from tidepool.quantization import int8_ops
+from tidepool.quantization import weights as quantization_weights
+from tidepool.quantization.int8_linear import Int8Linear, int8_gemm_available
 
 pytestmark = pytest.mark.skipif(not int8_gemm_available(), reason="no oneDNN int8 linear")
 
@@ -84,7 +85,7 @@ def test_the_loader_gives_int8_models_reduced_precision_attention(
     load check run on it) and, once the int8 check passed, again with reduced precision
     (attention/backend.py: AMX-bf16 products where the kernel runs); a float32 model only once.
     (The tiny models' 8-wide heads run SDPA; test_cpu_attention_amx.py checks the kernel side.)"""
-    from tidepool.models import registry
+    from tidepool.model_loader import registry
 
     calls: list[object] = []
     real = registry.attach_attention_backend

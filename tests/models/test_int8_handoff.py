@@ -1,4 +1,4 @@
-"""int8 layers that hand their output on already quantized (models/int8_chains.py): which pairs
+"""int8 layers that hand their output on already quantized (quantization/chains.py): which pairs
 link in a BERT layer, that the consumers then skip their quantizer, and that the result is the
 same, bit for bit, as each layer quantizing its own input (the same kernel on the same rows)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tidepool import LLM
-from tidepool.models.layers import int8_ops
-from tidepool.models.layers.int8_linear import (
+from tidepool.quantization import int8_ops
+from tidepool.quantization.int8_linear import (
     Int8Linear,
     int8_gemm_available,
     onednn_int8_saturates,
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
     not int8_gemm_available() or int8_ops.load() is None or onednn_int8_saturates(),
     reason="the handoff is the int8 kernels' (oneDNN int8 linear, a kernel build, a C++ "
     "compiler); a CPU without VNNI runs int8 as split 7-bit GEMMs with torch epilogues, no "
-    "handoff (models/layers/int8_linear.py)",
+    "handoff (quantization/int8_linear.py)",
 )
 TEXTS = ["hi", "The quick brown fox jumps over the lazy dog.", "Packed tokens, no padding."]
 

@@ -135,7 +135,7 @@ def test_batch_invariance(mpnet_llm):
 
 
 @pytest.mark.skipif(
-    not __import__("tidepool.models.layers.int8_linear", fromlist=["x"]).int8_gemm_available(),
+    not __import__("tidepool.quantization.int8_linear", fromlist=["x"]).int8_gemm_available(),
     reason="this torch build has no oneDNN int8 linear",
 )
 def test_int8_close_to_float32(mpnet_paths, mpnet_llm):

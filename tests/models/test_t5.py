@@ -158,14 +158,14 @@ def test_batch_invariance(variant, t5_llms):
 
 
 @pytest.mark.skipif(
-    not __import__("tidepool.models.layers.int8_linear", fromlist=["x"]).int8_gemm_available(),
+    not __import__("tidepool.quantization.int8_linear", fromlist=["x"]).int8_gemm_available(),
     reason="this torch build has no oneDNN int8 linear",
 )
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_int8_close_to_float32(variant, t5_paths, t5_llms):
     """quantization="int8" on T5 / mT5 (issue 14: each new native model in int8): every linear
     int8, vectors within the int8 suite's bound of float32 (cos >= 0.99)."""
-    from tidepool.models.layers.int8_linear import Int8Linear
+    from tidepool.quantization.int8_linear import Int8Linear
 
     int8 = LLM(str(t5_paths[variant]), device="cpu", quantization="int8")
     model = int8.engine.model_runner.model

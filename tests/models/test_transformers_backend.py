@@ -26,7 +26,7 @@ from tiny_decoders import SIZES, save_tokenizer
 from tidepool import LLM, PoolingParams, SamplingParams
 from tidepool.attention import cpu_kernels
 from tidepool.attention.backend import CPU_KERNEL
-from tidepool.models.transformers_attention import UnsupportedAttentionError
+from tidepool.transformers_backend.attention import UnsupportedAttentionError
 
 ATOL = 1e-5
 TIE_TOL = 1e-4
@@ -431,6 +431,6 @@ def test_remote_code_needs_trust_and_kwargs(tmp_path, tiny_model_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="trust_remote_code=True"):
         LLM(str(folder), device="cpu")
-    # Strict backend (auto would run it on the fallback: models/fallback.py).
+    # Strict backend (auto would run it on the fallback: transformers_backend/fallback.py).
     with pytest.raises(UnsupportedAttentionError, match=r"takes no \*\*kwargs"):
         LLM(str(folder), device="cpu", trust_remote_code=True, model_impl="transformers")

@@ -133,7 +133,7 @@ def test_sweep(case: Case, sweep_world: World, caplog) -> None:
     if case.path != "auto":
         assert llm.model_config.model_impl == case.path
     if case.quantization == "int8":  # the load check may keep float32: then int8 is not tested
-        from tidepool.models.layers.int8_linear import Int8Linear
+        from tidepool.quantization.int8_linear import Int8Linear
 
         modules = llm.engine.model_runner.model.modules()
         assert any(isinstance(m, Int8Linear) for m in modules), f"{case.id}: int8 kept float32"

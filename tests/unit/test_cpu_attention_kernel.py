@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from cpu_isa import build_fixture
 
-from tidepool.attention import cpu_features, cpu_kernels
+from tidepool.attention import cpu_kernels
+from tidepool.kernels import cpu_features
 
 kernel_isa = build_fixture(cpu_kernels.BUILD_ISAS, cpu_kernels.load_isa, "the kernel")
 """Each test that uses the kernel runs once per build the CPU can run (on AVX-512 CPUs the AVX2

@@ -1,4 +1,4 @@
-"""attention/cpu_features.py: the ISA levels per CPU kind (fake flag sets, so every machine checks
+"""kernels/cpu_features.py: the ISA levels per CPU kind (fake flag sets, so every machine checks
 every kind), the TIDEPOOL_CPU_ISA cap and its bad values, and the kernels' choice of build."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tidepool import envs
-from tidepool.attention import cpu_features, cpu_kernels
+from tidepool.attention import cpu_kernels
+from tidepool.kernels import cpu_features
 
 _AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
 CPUS = {

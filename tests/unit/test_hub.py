@@ -11,14 +11,14 @@ import torch
 from hub_server import DECOYS, TOKEN, folder_files
 
 from tidepool import LLM
-from tidepool.entrypoints.cli import main
-from tidepool.models.hub import HubOptions, download, select_files
-from tidepool.models.loader import (
+from tidepool.checkpoint.hub import HubOptions, download, select_files
+from tidepool.checkpoint.loader import (
     DEFAULT_MODEL,
     ModelAccessError,
     ModelNotFoundError,
     locate_model,
 )
+from tidepool.entrypoints.cli import main
 
 TEXTS = ["hi", "The quick brown fox jumps over the lazy dog."]
 

@@ -158,6 +158,16 @@ def _layer(importer: str, *forbidden: str):  # noqa: ANN202
     return pytest.param(importer, forbidden, id=importer)
 
 
+# What runs requests: nothing below the worker may see a request, a schedule or an entry point.
+_ABOVE_MODELS = (
+    "tidepool.request",
+    "tidepool.core",
+    "tidepool.worker",
+    "tidepool.engine",
+    "tidepool.entrypoints",
+)
+
+
 def test_the_walker_sees_lazy_and_relative_imports() -> None:
     """Guard: a walker that found nothing would pass every rule below."""
     tree = ast.parse(
@@ -184,7 +194,15 @@ def test_no_import_cycles() -> None:
 
 def test_no_cycles_among_model_loading() -> None:
     """config, the resolver, the registry and the transformers backend import downwards only."""
-    models = {m for m in GRAPH if _within(m, "tidepool.models") or m == "tidepool.config"}
+    loading = (
+        "tidepool.models",
+        "tidepool.checkpoint",
+        "tidepool.model_loader",
+        "tidepool.transformers_backend",
+        "tidepool.quantization",
+        "tidepool.kernels",
+    )
+    models = {m for m in GRAPH if any(_within(m, p) for p in loading) or m == "tidepool.config"}
     assert [c for c in _cycles(GRAPH) if set(c) & models] == []
 
 
@@ -203,20 +221,48 @@ def test_no_cycles_among_model_loading() -> None:
             "torch",
             "tidepool.outputs",
         ),
+        # models/ holds architectures only: loading, the Hugging Face paths and int8 sit above it.
         _layer(
             "tidepool.models",
-            "tidepool.request",
-            "tidepool.core",
-            "tidepool.engine",
-            "tidepool.entrypoints",
+            *_ABOVE_MODELS,
+            "tidepool.checkpoint",
+            "tidepool.model_loader",
+            "tidepool.transformers_backend",
+            "tidepool.quantization",
         ),
         _layer(
             "tidepool.attention",
-            "tidepool.request",
-            "tidepool.core",
-            "tidepool.engine",
-            "tidepool.entrypoints",
+            *_ABOVE_MODELS,
+            "tidepool.models",
+            "tidepool.checkpoint",
+            "tidepool.model_loader",
+            "tidepool.transformers_backend",
+            "tidepool.quantization",
         ),
+        # Reading a checkpoint (a folder, the cache, the Hub) knows nothing of models or tensors' use.
+        _layer(
+            "tidepool.checkpoint",
+            *_ABOVE_MODELS,
+            "tidepool.models",
+            "tidepool.attention",
+            "tidepool.model_loader",
+            "tidepool.transformers_backend",
+            "tidepool.quantization",
+        ),
+        _layer(
+            "tidepool.transformers_backend",
+            *_ABOVE_MODELS,
+            "tidepool.model_loader",
+            "tidepool.quantization",
+        ),
+        _layer(
+            "tidepool.quantization",
+            *_ABOVE_MODELS,
+            "tidepool.checkpoint",
+            "tidepool.model_loader",
+            "tidepool.transformers_backend",
+        ),
+        _layer("tidepool.model_loader", *_ABOVE_MODELS),
         _layer(
             "tidepool.engine",
             "tidepool.entrypoints",
@@ -235,6 +281,13 @@ def test_no_module_over_500_lines() -> None:
         if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}
+
+
+def test_kernels_is_a_leaf() -> None:
+    """The CPU-feature module and the kernels' build reach no tidepool module but envs."""
+    assert _violations("tidepool.kernels", (PACKAGE,)) == _violations(
+        "tidepool.kernels", ("tidepool.envs", "tidepool.kernels")
+    )
 
 
 def test_config_is_a_leaf() -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_prefix_tokenizer import PIECES
 
 from tidepool.engine.input_processor import InputProcessor
-from tidepool.models.resolve import build_model_config
+from tidepool.model_loader.resolve import build_model_config
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request

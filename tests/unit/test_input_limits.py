@@ -21,7 +21,7 @@ from test_prefix_tokenizer import PIECES
 from tidepool.engine import prefix_tokenizer
 from tidepool.engine.input_processor import InputProcessor
 from tidepool.engine.truncation import longest_first
-from tidepool.models.resolve import build_model_config
+from tidepool.model_loader.resolve import build_model_config
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tidepool.engine.input_processor import InputProcessor
-from tidepool.models.resolve import build_model_config
+from tidepool.model_loader.resolve import build_model_config
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams
 from tidepool.request import Request

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidepool.models.layers import int8_ops
-from tidepool.models.layers.int8_linear import WEIGHT_LO_FACTOR, Int8Linear, int8_gemm_available
 from tidepool.models.layers.linear import Linear
+from tidepool.quantization import int8_ops
+from tidepool.quantization.int8_linear import WEIGHT_LO_FACTOR, Int8Linear, int8_gemm_available
 
 pytestmark = pytest.mark.skipif(
     not int8_gemm_available() or int8_ops.load_amx() is None,

@@ -1,4 +1,4 @@
-"""The int8 linear layer (models/layers/int8_linear.py) against float32, and batch invariance.
+"""The int8 linear layer (quantization/int8_linear.py) against float32, and batch invariance.
 
 The error bound checked is the worst case derived in the module's docstring: per output element
 (t, n), with per-token activation scales s_x[t] and per-channel weight scales s_w[n],
@@ -15,13 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidepool.models.layers.int8_linear import (
+from tidepool.models.layers.linear import Linear
+from tidepool.quantization.int8_linear import (
     Int8Linear,
     int8_gemm_available,
     quantize_per_token,
     quantize_weight,
 )
-from tidepool.models.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(not int8_gemm_available(), reason="no oneDNN int8 linear")
 

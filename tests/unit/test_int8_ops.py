@@ -1,4 +1,4 @@
-"""tidepool's int8 kernels (csrc/cpu_int8_ops.cpp, models/layers/int8_ops.py) against torch
+"""tidepool's int8 kernels (csrc/cpu_int8_ops.cpp, quantization/int8_ops.py) against torch
 references: the quantizers bit for bit (same formula, same rounding), the epilogues within float32
 rounding (1e-6 relative: a handful of float32 operations per element), the GELU within 2e-6 of
 float64 (its erf is a rational approximation, < 5e-7 off, times x/2), and the int8 layer with the
@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from cpu_isa import build_fixture
 
-from tidepool.models.layers import int8_ops
-from tidepool.models.layers.int8_linear import (
+from tidepool.models.layers.linear import Linear
+from tidepool.quantization import int8_ops
+from tidepool.quantization.int8_linear import (
     Int8Linear,
     int8_gemm_available,
     onednn_int8_saturates,
     quantize_per_token_asym,
 )
-from tidepool.models.layers.linear import Linear
 
 int8_isa = build_fixture(int8_ops.BUILD_ISAS, int8_ops.load, "the int8 kernels")
 """Every test runs once per build (AVX-512, AVX2 + FMA) the CPU can run."""

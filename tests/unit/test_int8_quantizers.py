@@ -1,4 +1,4 @@
-"""The int8 quantizers chosen at load: GPTQ weight rounding (models/quantization_weights.py)
+"""The int8 quantizers chosen at load: GPTQ weight rounding (quantization/weights.py)
 against round to nearest, two-part weights (`split_weight`), and the asymmetric per-token activation quantizer's reference
 (benchmarks/int8_simulate.py, the formula the fused kernel implements)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidepool.models.layers.int8_linear import Int8Linear, int8_gemm_available
-from tidepool.models.quantization import FFN_DOWN, matches_linears
-from tidepool.models.quantization_weights import (
+from tidepool.quantization.int8 import FFN_DOWN, matches_linears
+from tidepool.quantization.int8_linear import Int8Linear, int8_gemm_available
+from tidepool.quantization.weights import (
     WEIGHT_LO_FACTOR,
     gptq,
     input_second_moments,
@@ -89,7 +89,7 @@ def test_asymmetric_per_token_reference() -> None:
 
 
 def test_upper_cholesky_of_inverse_matches_the_three_step_form() -> None:
-    from tidepool.models.quantization_weights import upper_cholesky_of_inverse
+    from tidepool.quantization.weights import upper_cholesky_of_inverse
 
     torch.manual_seed(0)
     x = torch.randn(500, 300, dtype=torch.float64)
@@ -165,7 +165,7 @@ def test_linear_patterns_match_at_the_end_of_the_name() -> None:
 
 
 def test_default_two_part_linears_are_all_but_the_attention_output() -> None:
-    from tidepool.models.quantization import DEFAULT_RECIPE
+    from tidepool.quantization.int8 import DEFAULT_RECIPE
 
     patterns = DEFAULT_RECIPE.two_part_linears
     for name in (

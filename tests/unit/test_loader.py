@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tidepool import LLM
-from tidepool.models.loader import (
+from tidepool.checkpoint.loader import (
     DEFAULT_MODEL,
     ModelNotFoundError,
     iter_weights,

@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
+from tidepool.checkpoint.loader import load_sentence_transformers_meta
 from tidepool.models.bert import BertModel, RobertaModel
 from tidepool.models.llama import LlamaModel, Qwen3Model
-from tidepool.models.loader import load_sentence_transformers_meta
 
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
 

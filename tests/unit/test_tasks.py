@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tidepool.engine.tasks import check_task_supported, supported_tasks
-from tidepool.models.resolve import build_model_config
+from tidepool.model_loader.resolve import build_model_config
 
 
 @pytest.mark.parametrize("bad", [0, -3])

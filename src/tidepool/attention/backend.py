@@ -13,7 +13,7 @@
       paged_sdpa      torch SDPA per bucket of rows over gathered cache blocks (paged.py)
 
 `select_encoder_backend(spec)` / `select_decoder_backend(spec)` return the first registered
-backend whose `supports(spec)` holds. The loader (models/registry.py, the transformers backend)
+backend whose `supports(spec)` holds. The loader (model_loader/registry.py, the transformers backend)
 calls them once, after the weights reached their device and dtype, and hands the result to the
 model (`set_attention_backend`); the CPU kernel is therefore built while the model loads, not
 inside its first request. A CUDA backend (flash-attention varlen, paged decode) registers in front

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from tidepool import envs
-from tidepool.attention import cpu_features
 from tidepool.attention.relative_bias import RelativePositionBias
+from tidepool.kernels import cpu_features
 
 logger = logging.getLogger("tidepool")
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from tidepool.attention import cpu_features, cpu_kernels
+from tidepool.attention import cpu_kernels
+from tidepool.kernels import cpu_features
 
 logger = logging.getLogger("tidepool")
 

@@ -1,5 +1,5 @@
 // tidepool's int8 GEMM on AMX tiles with the epilogue inside the tile loop
-// (models/layers/int8_linear.py): y = epilogue(q @ Wᵀ) for q [T, K] uint8 (asymmetric inputs)
+// (quantization/int8_linear.py): y = epilogue(q @ Wᵀ) for q [T, K] uint8 (asymmetric inputs)
 // or int8 and W [N, K] int8 packed once into 16 x 64-byte tiles. Each 32 x 32 block of int32
 // sums goes from the tile registers to a 4 KiB L1 buffer and is finished there: the weight and
 // per-token scales, bias, zero-point correction, GELU / ReLU, multiply / residual (the same

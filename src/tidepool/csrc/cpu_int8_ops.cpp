@@ -1,4 +1,4 @@
-// tidepool's CPU kernels around oneDNN's int8 GEMM (models/layers/int8_linear.py): the per-token
+// tidepool's CPU kernels around oneDNN's int8 GEMM (quantization/int8_linear.py): the per-token
 // quantization of a GEMM's input and the epilogue of its output, each one pass over its rows
 // while a row sits in L1, instead of the 3-4 torch passes (and temporaries) each took.
 //
@@ -13,8 +13,8 @@
 // while the row is in L1: the next layer then skips its own quantizer pass.
 //
 // Rounding is to nearest even (the default MXCSR mode of vcvtps2dq), like torch.round. One
-// source for AVX-512 and AVX2 + FMA (cpu_simd.h; the build's ISA, models/layers/int8_ops.py).
-// Loaded by models/layers/int8_ops.py, which keeps torch ops as the fallback.
+// source for AVX-512 and AVX2 + FMA (cpu_simd.h; the build's ISA, quantization/int8_ops.py).
+// Loaded by quantization/int8_ops.py, which keeps torch ops as the fallback.
 
 #include "cpu_int8_common.h"
 

@@ -13,11 +13,11 @@ from typing import Any, Literal
 import torch
 
 from tidepool import envs
+from tidepool.checkpoint.loader import DEFAULT_MODEL
 from tidepool.config import CacheConfig, EngineConfig, ModelConfig, PoolerConfig, SchedulerConfig
 from tidepool.engine.score_template import resolve_score_template
 from tidepool.engine.vllm_args import VLLM_ARGS, check_vllm_args
-from tidepool.models.loader import DEFAULT_MODEL
-from tidepool.models.resolve import build_model_config
+from tidepool.model_loader.resolve import build_model_config
 
 logger = logging.getLogger("tidepool")
 

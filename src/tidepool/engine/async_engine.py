@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from tidepool.checkpoint.loader import DEFAULT_MODEL
 from tidepool.config import EngineConfig, ModelConfig
 from tidepool.engine.args import build_engine_config
 from tidepool.engine.chunked import combine, expand, has_chunks
@@ -70,7 +71,6 @@ from tidepool.engine.llm_engine import (
     StepRecord,
 )
 from tidepool.engine.shared_work import SharedWork, SharedWorkOptions
-from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request

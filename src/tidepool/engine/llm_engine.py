@@ -243,7 +243,7 @@ class LLMEngine:
 
     def _finish(self, out: PoolingCoreOutput) -> Any:
         """A pooled output as its caller gets it: a ColBERT document without the vectors of
-        its skiplist tokens (models/colbert.py)."""
+        its skiplist tokens (model_loader/colbert.py)."""
         if out.request_id not in self._documents:
             return out.data
         self._documents.discard(out.request_id)

@@ -136,7 +136,7 @@ def concatenates_pairs(hf_config: Any) -> bool:
     `classifier_from_token` rows: vLLM sets `method` for it) unless hf_overrides say
     `use_sep_token: true`; any sequence classifier whose config says `use_sep_token: false`."""
     use_sep_token = getattr(hf_config, "use_sep_token", None)
-    if getattr(hf_config, "classifier_method", None):  # models/resolve.py wrote it
+    if getattr(hf_config, "classifier_method", None):  # model_loader/resolve.py wrote it
         return not use_sep_token
     architectures = getattr(hf_config, "architectures", None) or ()
     return use_sep_token is False and any(

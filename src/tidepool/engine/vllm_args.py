@@ -98,7 +98,7 @@ _TABLE: tuple[tuple[str, str, str, bool, tuple[Any, ...]], ...] = (
     ("worker_extension_cls", "refuse", _ONE_DEVICE, False, ("",)),
     ("ray_workers_use_nsight", "refuse", _ONE_DEVICE, True, ()),
     ("cpu_offload_gb", "refuse", "weights stay on the model's device", False, (0, 0.0)),
-    # the Hub: revision / download_dir / hf_token are EngineArgs fields (models/hub.py)
+    # the Hub: revision / download_dir / hf_token are EngineArgs fields (checkpoint/hub.py)
     ("code_revision", "refuse", _HUB, False, ()),
     ("tokenizer_revision", "refuse", _HUB, False, ()),
     ("hf_config_path", "refuse", "config.json is read from the model folder", False, ()),

@@ -412,7 +412,7 @@ def cmd_embed_ray(args: argparse.Namespace, model: str, engine_kwargs: dict[str,
     # A missing model or engine arguments that do not fit fail here, in one line (the CLI's
     # exit status 2), not in every actor after the cluster has started. A Hub model is
     # downloaded here once; every actor then loads the commit the driver saw (its node's cache,
-    # filled once per node: models/hub.py's lock).
+    # filled once per node: checkpoint/hub.py's lock).
     commit = build_engine_config(model, **engine_kwargs).model.commit
     if commit is not None:
         engine_kwargs = {**engine_kwargs, "revision": commit}
@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tidepool.models.hub import ModelAccessError
+    from tidepool.checkpoint.hub import ModelAccessError
 
     args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:

@@ -9,9 +9,9 @@ import logging
 from dataclasses import fields
 from typing import Any
 
+from tidepool.checkpoint.loader import DEFAULT_MODEL
 from tidepool.engine.args import EngineArgs, engine_args_from_vllm
 from tidepool.engine.cli_flags import add_engine_flags, engine_kwargs_of
-from tidepool.models.loader import DEFAULT_MODEL
 
 logger = logging.getLogger("tidepool")
 

@@ -175,7 +175,7 @@ def add_download_parser(subparsers: Any) -> None:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from tidepool.models.loader import fetch_snapshot
+    from tidepool.checkpoint.loader import fetch_snapshot
 
     location = fetch_snapshot(
         args.model,

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from tidepool.checkpoint.loader import DEFAULT_MODEL
 from tidepool.config import ModelConfig
 from tidepool.engine.args import (
     CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -44,7 +45,6 @@ from tidepool.entrypoints.llm_scoring import (
     score_by_embedding,
     score_by_late_interaction,
 )
-from tidepool.models.loader import DEFAULT_MODEL
 from tidepool.outputs import (
     BatchInputError,
     ClassificationRequestOutput,

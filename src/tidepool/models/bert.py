@@ -162,7 +162,7 @@ class BertEncoder(nn.Module):
         `first_slots`) when given: then the last layer computes only those rows."""
         # The containers' `forward` is called directly: nn.Module.__call__ costs ~2-3 us a
         # call, and a layer has 8 container calls (~150 us of a 3 ms bfloat16 32-token text).
-        # The linears keep __call__: the int8 calibration hooks them (models/quantization.py).
+        # The linears keep __call__: the int8 calibration hooks them (quantization/int8.py).
         if first_slots is None:
             for layer in self.layer:
                 x = layer.forward(x, meta)

@@ -10,7 +10,7 @@ The head comes from one of two places:
                              sigmoid(h·(w_yes - w_no)) = softmax(h·w_no, h·w_yes)[yes]
         no_post_processing   [t1, ..., tn]  →  score = lm_head[[t1..tn]], n labels
 
-models/resolve.py turns the token strings into ids (`hf_config.classifier_from_token_ids`) and
+model_loader/resolve.py turns the token strings into ids (`hf_config.classifier_from_token_ids`) and
 sets `num_labels`; the LM head itself is never built, so a reranker step costs a [n, hidden] x
 [hidden, 1] product instead of the vocabulary's logits.
 """

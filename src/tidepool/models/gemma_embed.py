@@ -5,7 +5,7 @@
               → norm → hidden [num_tokens, hidden] → the pooler (mean → Dense → Dense → Normalize)
 
 A `Gemma3TextModel` checkpoint whose config says `use_bidirectional_attention=True` (google/
-embeddinggemma-300m) resolves here (models/registry.py `native_architecture`); without the flag it
+embeddinggemma-300m) resolves here (model_loader/registry.py `native_architecture`); without the flag it
 stays gemma.py's causal decoder. The layers are gemma.py's (GemmaRMSNorm's (1 + weight), GeGLU,
 q/k norms, query_pre_attn_scalar ** -0.5, the local RoPE base for sliding layers, the embedding
 scale in the model dtype); only the attention differs, checked against transformers'

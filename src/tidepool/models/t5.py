@@ -32,7 +32,7 @@ from tidepool.models.layers.linear import Linear
 from tidepool.models.layers.rmsnorm import RMSNorm
 from tidepool.models.weights import load_fused_weights
 
-# T5's relative positions have no limit; models/resolve.py caps prompts at the config's
+# T5's relative positions have no limit; model_loader/resolve.py caps prompts at the config's
 # max_position_embeddings or this (sentence-t5 / GTR cap at 256 through sentence-transformers).
 DEFAULT_MAX_POSITIONS = 512
 

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tidepool.models.loader import DEFAULT_MODEL
+from tidepool.checkpoint.loader import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -24,8 +24,8 @@ from tidepool.attention.paged_metadata import AttentionView
 from tidepool.config import EngineConfig, ModelConfig
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.kv_cache.spec import KVCacheConfig, group_layers, plan_kv_cache
+from tidepool.model_loader.registry import build_model
 from tidepool.models.interfaces import DecoderModel, EncoderModel, LanguageModelHead
-from tidepool.models.registry import build_model
 from tidepool.params import PoolingParams
 from tidepool.request import Request
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch

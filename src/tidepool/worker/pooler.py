@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidepool.checkpoint.loader import DenseModule
 from tidepool.config import ModelConfig
 from tidepool.models.interfaces import ClassifierHead, EmbeddingPoolingHead, PoolingModel
-from tidepool.models.loader import DenseModule
 from tidepool.params import PoolingParams
 from tidepool.worker.token_poolers import TOKEN_POOLERS, TokenPooler, check_head
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidepool.checkpoint.loader import iter_weights
 from tidepool.config import ModelConfig
 from tidepool.models.interfaces import ExtraWeightFiles, attach_attention_backend
-from tidepool.models.loader import iter_weights
 
 # architecture → (module under tidepool.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -74,12 +74,12 @@ _BIDIRECTIONAL_VARIANTS: dict[str, str] = {"Gemma3TextModel": "Gemma3TextEncoder
 MODEL_IMPLS = ("auto", "native", "transformers", "fallback")
 """auto: the native model when there is one, else the transformers backend, else (for pooling
 tasks, when the backend cannot plug its attention in) the fallback: the HF model as it is,
-unpacked (models/fallback.py). transformers: the backend or an error (strict)."""
+unpacked (transformers_backend/fallback.py). transformers: the backend or an error (strict)."""
 
 
 def resolve_model_impl(architecture: str, model_impl: str) -> str:
     """ "native", "transformers" or "fallback": the first code to try for `architecture` (auto's
-    step from the backend to the fallback happens in models/resolve.py, which inspects the model)."""
+    step from the backend to the fallback happens in model_loader/resolve.py, which inspects the model)."""
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
     if model_impl == "auto":
@@ -95,7 +95,7 @@ def has_implementation(architecture: str, model_impl: str) -> bool:
         return True
     if model_impl == "native":
         return False
-    from tidepool.models.transformers_backend import has_hf_class
+    from tidepool.transformers_backend.backend import has_hf_class
 
     return has_hf_class(architecture)
 
@@ -131,11 +131,11 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 def build_model(config: ModelConfig) -> nn.Module:
     """Instantiate without initializing (meta device), then fill from the checkpoint."""
     if config.model_impl == "transformers":
-        from tidepool.models.transformers_backend import build_transformers_model
+        from tidepool.transformers_backend.backend import build_transformers_model
 
         return build_transformers_model(config)
     if config.model_impl == "fallback":
-        from tidepool.models.fallback import build_fallback_model
+        from tidepool.transformers_backend.fallback import build_fallback_model
 
         return build_fallback_model(config)
     model_cls = get_model_class(config.architecture)
@@ -154,7 +154,7 @@ def build_model(config: ModelConfig) -> nn.Module:
     # Once device and dtype are final: a machine's first run builds the CPU kernel now.
     attach_attention_backend(model, config.device, config.dtype)
     if config.quantization == "int8":
-        from tidepool.models.quantization import calibration_sequences, quantize_model
+        from tidepool.quantization.int8 import calibration_sequences, quantize_model
 
         sequences = calibration_sequences(
             config.path, config.max_model_len, config.hf_config.vocab_size, config.seed

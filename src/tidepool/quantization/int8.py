@@ -1,5 +1,5 @@
 """`quantization="int8"`: which models have the path, the checks on a setting, and swapping a
-loaded encoder's linear layers for int8 ones (models/layers/int8_linear.py), checked at load.
+loaded encoder's linear layers for int8 ones (quantization/int8_linear.py), checked at load.
 
 What runs in int8: every `Linear` of the encoder body (fused QKV, attention output, FFN up and
 down; DeBERTa's position projections). What stays float32, and why (docs/performance.md, "int8"):
@@ -16,7 +16,7 @@ Load, in three steps (`quantize_model`, by an `Int8Recipe`):
      where each output channel has its own scale; the int8 weights: two-part on
      `two_part_linears` (W ≈ s·(hi + lo/254), two int8 GEMMs, ~15-bit weights: then smoothed
      harder, alpha `two_part_alpha`, since the weight takes the outliers at no loss), else
-     rounded by GPTQ from the inputs' Xᵀ X (models/quantization_weights.py); the activation
+     rounded by GPTQ from the inputs' Xᵀ X (quantization/weights.py); the activation
      scheme per token (asymmetric uint8 + zero point, or symmetric int8);
   2. swap: each `Linear` → the int8 layer its plan builds;
   3. check: the int8 model's mean-pooled states against float32 on a second sample; below
@@ -36,14 +36,14 @@ from torch import nn
 
 from tidepool import envs
 from tidepool.attention.metadata import build_encoder_metadata
-from tidepool.models.int8_chains import link_handoffs
-from tidepool.models.layers.int8_linear import (
+from tidepool.models.layers.linear import Linear
+from tidepool.quantization.chains import link_handoffs
+from tidepool.quantization.int8_linear import (
     Int8Linear,
     int8_gemm_available,
     onednn_int8_saturates,
 )
-from tidepool.models.layers.linear import Linear
-from tidepool.models.quantization_weights import (
+from tidepool.quantization.weights import (
     gptq,
     input_second_moments,
     round_to_nearest,

@@ -1,9 +1,9 @@
 """The transformers backend proves itself at load: its model against Hugging Face's, same weights.
 
-An encoder that the backend can plug into (models/transformers_backend.py) may still compute
+An encoder that the backend can plug into (transformers_backend/backend.py) may still compute
 something else than transformers does: a mask the model builds at call time, a causal flag, a
 position the packed batch gets wrong, an embedding module that sees the packed length. So before
-the checkpoint is read, one tiny forward decides (models/fallback.py: fallback_if_backend_fails):
+the checkpoint is read, one tiny forward decides (transformers_backend/fallback.py: fallback_if_backend_fails):
 
     the backend's model, built without the checkpoint, parameters filled from a seeded generator
       ├─ tidepool's path: two sequences of different lengths packed in one step (8 and 5 tokens),
@@ -35,8 +35,8 @@ from torch import nn
 from tidepool.attention.metadata import build_encoder_metadata
 from tidepool.config import ModelConfig
 from tidepool.models.interfaces import EmbeddingPoolingHead
-from tidepool.models.transformers_backend import build_transformers_model
-from tidepool.models.transformers_wrappers import attention_modules
+from tidepool.transformers_backend.backend import build_transformers_model
+from tidepool.transformers_backend.wrappers import attention_modules
 
 CHECK_LENGTHS = (8, 5)
 """The two packed sequences (longest first, as the runner orders a step)."""

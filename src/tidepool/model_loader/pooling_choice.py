@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 
 from tidepool.config import SentenceTransformersMeta
-from tidepool.models.registry import get_model_class
+from tidepool.model_loader.registry import get_model_class
 
 logger = logging.getLogger("tidepool")
 

@@ -44,9 +44,9 @@ import torch
 from torch import nn
 
 from tidepool import envs
-from tidepool.models.layers import int8_ops
 from tidepool.models.layers.activation import get_activation
 from tidepool.models.layers.linear import Linear, combine
+from tidepool.quantization import int8_ops
 
 WEIGHT_LO_FACTOR = 254
 """Two-part weights: W ≈ w_scale · (weight_q + weight_lo / this) (|weight_lo| <= 127 holds the

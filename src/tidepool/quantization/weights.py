@@ -21,7 +21,7 @@ import torch
 
 # A two-part weight's low part counts in steps of s / WEIGHT_LO_FACTOR (254 maps the high part's
 # rounding error, within ±s/2, onto int8's ±127): defined with the layer that computes with it.
-from tidepool.models.layers.int8_linear import WEIGHT_LO_FACTOR
+from tidepool.quantization.int8_linear import WEIGHT_LO_FACTOR
 
 # A channel of zeros gets this scale instead of 0 (its int8 values are 0 either way).
 _MIN_SCALE = 1e-12

@@ -33,16 +33,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidepool.checkpoint.loader import iter_weights, remote_code_refusal
 from tidepool.config import ModelConfig
 from tidepool.models.interfaces import attach_attention_backend
 from tidepool.models.layers.linear import Linear
-from tidepool.models.loader import iter_weights, remote_code_refusal
-from tidepool.models.transformers_attention import (
+from tidepool.transformers_backend.attention import (
     ATTENTION_NAME,
     UnsupportedAttentionError,
     register_attention,
 )
-from tidepool.models.transformers_wrappers import (
+from tidepool.transformers_backend.wrappers import (
     EOS_POOLED_ENCODERS,
     TransformersDecoderModel,
     TransformersEncoderModel,

@@ -7,7 +7,7 @@ Why: the same work as torch ops took ~63% of an int8 pass (three to four passes 
 input to quantize it, two to three over each output; profile in docs/performance.md, "int8"),
 several times the GEMM itself. Built on first use like the attention kernels (named by the
 source's hash, cached under TORCH_EXTENSIONS_DIR), for AVX-512 or AVX2 + FMA (BUILD_ISAS, one
-source: csrc/cpu_simd.h; chosen once by attention/cpu_features.py, capped by TIDEPOOL_CPU_ISA);
+source: csrc/cpu_simd.h; chosen once by kernels/cpu_features.py, capped by TIDEPOOL_CPU_ISA);
 where the build fails or the CPU has neither, `load()` says why once and returns None, and
 `Int8Linear` keeps its torch ops. The AMX GEMM (load_amx) needs the "amx" level.
 TIDEPOOL_CPU_ATTENTION=sdpa turns these off too (one switch for tidepool's hand-written CPU
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from tidepool.attention import cpu_features, cpu_kernels
+from tidepool.attention import cpu_kernels
+from tidepool.kernels import cpu_features
 
-_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_int8_ops.cpp"
+_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_int8_ops.cpp"
 _NAMESPACE = "tidepool_int8"
 BUILD_ISAS = ("avx512", "avx2")
 """The ISA levels the quantizer / epilogue kernels are built for, best first."""

@@ -25,8 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tidepool.checkpoint.loader import iter_weights
 from tidepool.config import DenseModule, MultiVectorMeta, SentenceTransformersMeta
-from tidepool.models.loader import iter_weights
 
 COLBERT_IR_ARCHITECTURES = {"HF_ColBERT": "BertModel"}
 """colbert-ir's architecture name → the body tidepool builds (the projection runs in the pooler,

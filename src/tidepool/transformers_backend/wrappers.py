@@ -34,7 +34,7 @@ from tidepool.attention.metadata import EncoderAttentionMetadata, pad_buckets
 from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.config import ModelConfig
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from tidepool.models.transformers_attention import (
+from tidepool.transformers_backend.attention import (
     STEP_KWARG,
     DecoderStep,
     EncoderStep,

@@ -13,7 +13,7 @@ equal to sentence-transformers (which runs the same code on the same padded batc
 
 model_impl="auto" also falls back when the backend passes its checks but its first forward raises
 or disagrees with transformers' (fallback_if_backend_fails: the load-time check of
-models/transformers_check.py, at resolve time), with the same one warning line saying why.
+transformers_backend/check.py, at resolve time), with the same one warning line saying why.
 
 Refused: remote code without trust_remote_code=True (resolve_hf_class), generation (the runner's
 decoder path needs a KV cache the HF model does not share), and models whose outputs tidepool
@@ -36,14 +36,14 @@ from tidepool.attention import cpu_kernels
 from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
 from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.config import ModelConfig
-from tidepool.models.transformers_backend import (
+from tidepool.transformers_backend.backend import (
     _position_offset,
     _use_packed_linears,
     build_transformers_model,
     check_transformers_version,
     resolve_hf_class,
 )
-from tidepool.models.transformers_wrappers import EOS_POOLED_ENCODERS, EosPooling, HeadRunner
+from tidepool.transformers_backend.wrappers import EOS_POOLED_ENCODERS, EosPooling, HeadRunner
 
 logger = logging.getLogger("tidepool")
 
@@ -85,19 +85,19 @@ def inspect_fallback(
 
 class BackendDisagreementError(RuntimeError):
     """model_impl="transformers": the backend's load-time check found it computes something else
-    than transformers does (models/transformers_check.py)."""
+    than transformers does (transformers_backend/check.py)."""
 
 
 def fallback_if_backend_fails(config: ModelConfig, strict: bool = False) -> ModelConfig:
     """The transformers backend chose for an encoder proves itself before the checkpoint is read
-    (models/transformers_check.py): its model, on seeded parameters, against transformers' own
+    (transformers_backend/check.py): its model, on seeded parameters, against transformers' own
     attention on two packed sequences; then, for a dtype other than float32, an 8-token forward
     in that dtype. Where it disagrees or raises, `config` moves to the fallback, with its one
     warning line saying why; `strict` (model_impl="transformers"): raises instead. Some models
     pass the backend's checks on the meta device and fail only with real tensors (an attention
     call with arguments tidepool's interface does not take, a shape it assumes); some run and
     compute something else (a mask the model passes at call time)."""
-    from tidepool.models.transformers_check import check_backend, dry_forward
+    from tidepool.transformers_backend.check import check_backend, dry_forward
 
     try:
         disagreement = check_backend(config)

@@ -1,7 +1,7 @@
 """What this CPU's instruction sets are, read once, and the ISA level tidepool's kernels may use.
 
 The one reader of /proc/cpuinfo for the kernels (attention/cpu_kernels.py, cpu_decoder_ops.py,
-models/layers/int8_ops.py) and the benchmarks. Levels, in order (as oneDNN's ISA ladder):
+quantization/int8_ops.py) and the benchmarks. Levels, in order (as oneDNN's ISA ladder):
 
     level         the CPU needs                                       who uses it
     avx2          avx2, fma                                           AVX2 builds of the kernels
