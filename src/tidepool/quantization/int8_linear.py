@@ -9,7 +9,9 @@ The GEMM is oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, VNNI / A
 applies `w_scale` as it writes float32. Its activation scale must be one number per tensor, so
 the per-token scale, the bias, the activation, the residual (and a post-LN encoder's LayerNorm,
 `forward_norm`) run after it, in one pass of tidepool's kernel (int8_ops.py); the quantizer is one
-pass too. Where the kernels cannot be built the same formulas run as torch ops.
+pass too. Where the kernels cannot be built the same formulas run as torch ops. Where tidepool's
+own GEMM takes the shape (AMX tiles, csrc/cpu_int8_gemm.cpp; else VNNI registers, AVX-512 or
+AVX-VNNI, csrc/cpu_int8_vnni.cpp), the epilogue runs inside its blocked loop instead.
 
 An input may be quantized asymmetrically instead (`asym`: uint8, each token's [min, max] onto
 [0, 255], x ≈ s·(q - z)): the GEMM runs u8 x s8 and the epilogue subtracts s·z · w_scale·Σ_k Wq,
@@ -158,10 +160,12 @@ class Int8Linear(nn.Module):
         self.activation = activation
         self._ops = int8_ops.load()
         self._act_code = int8_ops.ACTIVATION_CODES.get(activation)
-        self._amx = None
+        self._amx = self._vnni = None
         if self._ops is not None and self._act_code is not None:
             self._amx = _amx_for(self.out_features, self.in_features)
-        self.split_input = self._amx is None and onednn_int8_saturates()
+            if self._amx is None:
+                self._vnni = _vnni_for(self.out_features, self.in_features)
+        self.split_input = self._amx is None and self._vnni is None and onednn_int8_saturates()
         """Each uint8 input runs as two 7-bit GEMMs (2·h + l), with the torch epilogue, where
         oneDNN saturates on 8-bit inputs (a CPU without VNNI): see the module docstring."""
         if self.split_input:
@@ -193,9 +197,18 @@ class Int8Linear(nn.Module):
         self._block_rows = max(256, _BLOCK_BYTES // (4 * self.out_features) // 64 * 64)
         self._tiles = self._tiles_lo = None
         self._packed = self._packed_lo = None
+        self._own_weights: tuple[torch.Tensor | None, ...] = ()
         if self._amx is not None:
             self._tiles = int8_ops.pack_weight(weight_q)
             self._tiles_lo = None if weight_lo is None else int8_ops.pack_weight(weight_lo)
+            self._own_weights = (self._tiles, self._tiles_lo)
+        elif self._vnni is not None:  # (packed, packed_lo, 128·Σ_k W, 128·Σ_k W_lo)
+            self._tiles, comp = int8_ops.pack_weight_vnni(weight_q)
+            self._tiles_lo, comp_lo = (None, None)
+            if weight_lo is not None:
+                self._tiles_lo, comp_lo = int8_ops.pack_weight_vnni(weight_lo)
+            self._own_weights = (self._tiles, self._tiles_lo, comp, comp_lo)
+            self._vnni_isa = int8_ops.vnni_isa()
         else:
             self._packed = torch.ops.onednn.qlinear_prepack(
                 weight_q, [_PACK_BATCH_HINT, self.in_features]
@@ -298,8 +311,8 @@ class Int8Linear(nn.Module):
         block's float32 output is still in cache when the epilogue reads it (at 4,096 rows a
         768 → 3072 GEMM alone ran at a third of its speed at 1,024, writing 48 MB)."""
         q, scale, scaled_zero = self._quantized_input(x)
-        if self._amx is not None:
-            return self._fused_amx(q, scale, scaled_zero, multiply, residual, norm)
+        if self._own_weights:
+            return self._fused_own(q, scale, scaled_zero, multiply, residual, norm)
         rows, block = q.shape[0], self._block_rows
         handoff = self._handoff_args(rows)
         sides = [t if t is None else t.reshape(-1, self.out_features) for t in (multiply, residual)]
@@ -331,7 +344,7 @@ class Int8Linear(nn.Module):
             self.__dict__["_consumer"].__dict__["_handoff"] = (out, *handoff[1:])
         return out
 
-    def _fused_amx(
+    def _fused_own(
         self,
         q: torch.Tensor,
         scale: torch.Tensor,
@@ -340,14 +353,15 @@ class Int8Linear(nn.Module):
         residual: torch.Tensor | None,
         norm: nn.LayerNorm | None,
     ) -> torch.Tensor:
-        """The AMX GEMM with the epilogue (and LayerNorm, handoff) in its tile loop: one call."""
+        """tidepool's GEMM (AMX tiles or VNNI registers) with the epilogue (and LayerNorm,
+        handoff) in its blocked loop: one call."""
         rows = q.shape[0]
         handoff = self._handoff_args(rows)
         sides = [t if t is None else t.reshape(-1, self.out_features) for t in (multiply, residual)]
         out = self._output(rows)
         write_out = handoff[1] is None or not self.__dict__.get("_exclusive", False)
-        self._amx.linear(
-            q, self._tiles, self._tiles_lo, self.weight_scale, scale,
+        (self._amx if self._amx is not None else self._vnni).linear(
+            q, *self._own_weights, self.weight_scale, scale,
             scaled_zero if self.asym else None, self.weight_sum, self.bias, self._act_code,
             *sides, None if norm is None else norm.weight, None if norm is None else norm.bias,
             1e-12 if norm is None else norm.eps, *handoff, out, write_out,
@@ -411,7 +425,9 @@ class Int8Linear(nn.Module):
         kind = "uint8 asymmetric" if self.asym else "int8 symmetric"
         if self.split_input:
             kind = f"{kind}, split in two 7-bit GEMMs (no VNNI)"
-        kernels = "amx" if self._amx is not None else "native" if self._ops is not None else "torch"
+        kernels = "native" if self._ops is not None else "torch"
+        if self._own_weights:
+            kernels = "amx" if self._amx is not None else f"vnni-{self._vnni_isa}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, activation={self.activation}, {kind} per-token, "
@@ -437,6 +453,14 @@ def _amx_for(out_features: int, in_features: int) -> object | None:
     if in_features % 64 or out_features % 32 or envs.int8_gemm() == "onednn":
         return None
     return int8_ops.load_amx()
+
+
+def _vnni_for(out_features: int, in_features: int) -> object | None:
+    """The VNNI GEMM's ops (the build kernels/cpu_features.py chose) for a layer of this shape
+    (K % 4, N % 16) on a CPU without AMX-INT8, else None (oneDNN)."""
+    if in_features % 4 or out_features % 16 or envs.int8_gemm() == "onednn":
+        return None
+    return int8_ops.load_vnni()
 
 
 def _fusable_norm(norm: nn.Module, dims: int) -> bool:

@@ -111,3 +111,60 @@ def pack_weight(weight_q: torch.Tensor) -> torch.Tensor:
     n, k = weight_q.shape
     tiles = weight_q.reshape(n // 16, 16, k // 64, 16, 4)  # [nb, j, kb, r, i]
     return tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 64, 16, 64).contiguous()
+
+
+_VNNI_SOURCE = _SOURCE.parent / "cpu_int8_vnni.cpp"
+_VNNI_NAMESPACE = "tidepool_int8_vnni"
+VNNI_ISAS = ("avx512_vnni", "avx2_vnni")
+"""The VNNI GEMM's builds (csrc/cpu_int8_vnni.cpp), best first: AVX-512 VNNI (vpdpbusd on
+zmm) and the 256-bit AVX-VNNI of client CPUs; one source, the ISA a compile parameter."""
+_VNNI_CFLAGS = {
+    "avx512_vnni": [*cpu_kernels.ISA_CFLAGS["avx512"], "-mavx512vnni"],
+    "avx2_vnni": [*cpu_kernels.ISA_CFLAGS["avx2"], "-mavxvnni"],
+}
+
+
+def _compile_vnni(isa: str) -> object:
+    name = f"{_VNNI_NAMESPACE}_{isa}"
+    flags = [*cpu_kernels.BASE_CFLAGS, *_VNNI_CFLAGS[isa], f"-DTP_NS={name}"]
+    cpu_kernels.build_extension(_VNNI_SOURCE, name, flags)
+    return getattr(torch.ops, name)
+
+
+def vnni_isa() -> str | None:
+    """The VNNI GEMM's build the int8 linears run: the best of VNNI_ISAS the CPU and
+    TIDEPOOL_CPU_ISA allow, None where none is (then oneDNN's GEMM)."""
+    return cpu_features.best(VNNI_ISAS)
+
+
+def load_vnni(isa: str | None = None) -> object | None:
+    """The op namespace of the chosen VNNI build (vnni_isa), or of `isa`'s (tests: every build
+    the CPU can run, whatever the cap), built and loaded on first call; None where it cannot
+    run or the epilogue kernels are off. Call at load time, not per step."""
+    if isa is None:
+        isa = vnni_isa()
+    elif not cpu_features.cpu_has(isa):
+        isa = None
+    key = f"vnni_{isa}"
+    if key not in _state:
+        epilogues = load()  # first: it takes the same lock
+        with _lock:
+            if key not in _state:
+                ops = None
+                if epilogues is not None and isa is not None:
+                    ops = cpu_kernels.build_or_fall_back(
+                        _compile_vnni, _VNNI_SOURCE.name, f"tidepool's VNNI int8 GEMM ({isa})",
+                        "oneDNN's int8 GEMM", isa,
+                    )  # fmt: skip
+                _state[key] = ops
+    return _state[key]
+
+
+def pack_weight_vnni(weight_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] int8 (N % 16, K % 4) → (the VNNI GEMM's layout [N/16, K/4, 16, 4]: for 16
+    columns and each k-quad, 4 consecutive k of each column; 128 · Σ_k W_nk [N] int32, taken off
+    the sums of symmetric inputs, which the GEMM reads as q + 128)."""
+    n, k = weight_q.shape
+    packed = weight_q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    comp = weight_q.sum(dim=1, dtype=torch.int32).mul_(128)
+    return packed, comp

@@ -1,0 +1,346 @@
+// tidepool's int8 GEMM on VNNI (vpdpbusd) with the epilogue inside the blocked loop, for CPUs
+// without AMX (quantization/int8_linear.py): the AMX kernel's design (cpu_int8_gemm.cpp) on
+// vector registers. One source, two builds (quantization/int8_ops.py): AVX-512 VNNI
+// (TP_ISA_AVX512 + -mavx512vnni: _mm512_dpbusd_epi32, 16 columns a register) and the 256-bit
+// AVX-VNNI of client CPUs (TP_ISA_AVX2 + -mavxvnni: _mm256_dpbusd_avx_epi32, 8 columns).
+//
+// y = epilogue(q @ Wᵀ) for q [T, K] uint8 (asymmetric inputs) or int8 (symmetric) and W [N, K]
+// int8 packed once. vpdpbusd multiplies unsigned by signed bytes and adds four products into an
+// int32 lane without saturating (unlike vpmaddubsw's int16), so the full uint8 range is exact.
+// Symmetric int8 inputs go in as q + 128 (a byte xor, once per row block) and the sums get
+// 128 · Σ_k W_nk taken off (w_comp, exact int32): |sum| <= K · 255 · 127 < 2³¹ for K < 66,000.
+//
+// A register block is kRows rows x kVecs column vectors of int32 sums, over the whole of K;
+// it goes to a small L1 buffer and is finished there: weight and per-token scales, bias,
+// zero-point correction, GELU / ReLU, multiply / residual (cpu_int8_common.h's epilogue_value,
+// the formula of the epilogue kernels and the AMX GEMM). Many rows: each thread takes whole row
+// groups (float32 rows in L2), then the row pass (multiply / residual, LayerNorm, the next
+// layer's quantization) writes each row once; few rows: the blocks are split by columns too.
+// Two-part weights (W ≈ s·(W_hi + W_lo / 254)) run both products per block.
+//
+// Layout: a packed weight is [N/16][K/4][16][4] int8: for 16 columns and each k-quad, 64 bytes
+// holding 4 consecutive k of each column (the order vpdpbusd reads; the AMX tiles' order too).
+// Needs K % 4 == 0 and N % 16 == 0; Int8Linear keeps oneDNN's GEMM for other shapes.
+
+#include "cpu_int8_common.h"
+
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(TP_ISA_AVX512)
+constexpr int kRows = 6;  // 24 accumulators + 4 weight vectors + a broadcast: 29 of 32 zmm
+constexpr int kVecs = 4;  // 64 columns
+TP_INLINE vi dot(vi acc, vi a, vi w) { return _mm512_dpbusd_epi32(acc, a, w); }
+TP_INLINE vi load_i(const void* p) { return _mm512_loadu_si512(p); }
+TP_INLINE void store_i(void* p, vi v) { _mm512_storeu_si512(p, v); }
+TP_INLINE vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+TP_INLINE vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
+#else
+constexpr int kRows = 6;  // 12 accumulators + 2 weight vectors + a broadcast: 15 of 16 ymm
+constexpr int kVecs = 2;  // 16 columns: one 64-byte line of the packed weight
+TP_INLINE vi dot(vi acc, vi a, vi w) { return _mm256_dpbusd_avx_epi32(acc, a, w); }
+TP_INLINE vi load_i(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+TP_INLINE void store_i(void* p, vi v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
+TP_INLINE vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+TP_INLINE vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
+#endif
+
+constexpr int64_t kBlockCols = kVecs * kW;  // columns per register block
+constexpr int64_t kGroupBytes = 512 << 10;  // a row group's float32 rows, in L2
+constexpr float kLoFactor = 1.f / 254.f;    // W_lo's weight relative to W_hi
+
+// What one call computes (pointers into the op's tensors).
+struct Gemm {
+  const uint8_t* q;  // [T, K] (int8 bits when !asym)
+  const int8_t* w;
+  const int8_t* w_lo;       // null: one-part weights
+  const int32_t* comp;      // [N] 128 · Σ_k W_nk (symmetric inputs)
+  const int32_t* comp_lo;   // the same for W_lo
+  const float* w_scale;
+  int64_t T, K, N;
+  bool asym;
+  Epilogue e;
+  Handoff h;
+  const float* gamma;  // null: no LayerNorm
+  const float* beta;
+  double eps;
+  float* out;      // [T, N]
+  bool write_out;  // false: only the handoff is needed (the rows stay in a per-thread buffer)
+  Epilogue core;   // e without the multiply / residual (the row-group path's block phase)
+};
+
+// The int32 sums of kRows rows of a (stride lda, prepared: uint8, padded) against C column
+// vectors starting at column n of the packed weight w, over all K, into c [kRows][kBlockCols].
+template <int C>
+void block_sums(const uint8_t* a, int64_t lda, const int8_t* w, int64_t n, int64_t K,
+                int32_t* c) {
+  const int64_t quads = K / 4;
+  const int8_t* wp[C];
+#pragma GCC unroll 4
+  for (int j = 0; j < C; ++j) {
+    const int64_t col = n + j * kW;
+    wp[j] = w + (col / 16) * quads * 64 + (col % 16) * 4;
+  }
+  vi acc[kRows][C];
+#pragma GCC unroll 6
+  for (int i = 0; i < kRows; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) acc[i][j] = vi_zero();
+  }
+  for (int64_t kq = 0; kq < quads; ++kq) {
+    vi wv[C];
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) wv[j] = load_i(wp[j] + kq * 64);
+#pragma GCC unroll 6
+    for (int i = 0; i < kRows; ++i) {
+      int32_t four;
+      std::memcpy(&four, a + i * lda + kq * 4, 4);
+      const vi av = vi_set1(four);
+#pragma GCC unroll 4
+      for (int j = 0; j < C; ++j) acc[i][j] = dot(acc[i][j], av, wv[j]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < kRows; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) store_i(c + i * kBlockCols + j * kW, acc[i][j]);
+  }
+}
+
+template <int C>
+void finish_block(const Gemm& g, const Epilogue& e, const int32_t* c, const int32_t* c_lo,
+                  int64_t r0, int64_t rows, int64_t n0, float* dst) {
+  const vf lo_factor = vset1(kLoFactor);
+  const vmask all = lanes(kW);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int j = 0; j < C; ++j) {
+      const int64_t n = n0 + j * kW;
+      vi s = load_i(c + i * kBlockCols + j * kW);
+      if (!g.asym) s = vi_sub(s, load_i(g.comp + n));
+      vf acc = vcvt(s);
+      if (c_lo != nullptr) {
+        vi sl = load_i(c_lo + i * kBlockCols + j * kW);
+        if (!g.asym) sl = vi_sub(sl, load_i(g.comp_lo + n));
+        acc = vfmadd(vcvt(sl), lo_factor, acc);
+      }
+      const vf y = vmul(acc, vloadu(g.w_scale + n));
+      vstoreu(dst + i * g.N + n, epilogue_value(e, y, r0 + i, n, all));
+    }
+  }
+}
+
+// Rows [r0, r1) of the prepared input a (row r0 at a, padded to whole blocks) x C column
+// vectors at n, into dst (row r0 at dst).
+template <int C>
+void run_columns(const Gemm& g, const Epilogue& e, const uint8_t* a, int64_t r0, int64_t r1,
+                 int64_t n, float* dst) {
+  alignas(64) int32_t c[kRows * kBlockCols];
+  alignas(64) int32_t c_lo[kRows * kBlockCols];
+  for (int64_t r = r0; r < r1; r += kRows) {
+    const uint8_t* ar = a + (r - r0) * g.K;
+    block_sums<C>(ar, g.K, g.w, n, g.K, c);
+    if (g.w_lo != nullptr) block_sums<C>(ar, g.K, g.w_lo, n, g.K, c_lo);
+    finish_block<C>(g, e, c, g.w_lo == nullptr ? nullptr : c_lo, r,
+                    std::min<int64_t>(kRows, r1 - r), n, dst + (r - r0) * g.N);
+  }
+}
+
+// Rows [r0, r1) x columns [n0, n1) into dst (row r0 at dst): the rows are copied once into a
+// per-thread buffer, as uint8 (symmetric inputs + 128) and padded with zero rows to whole
+// register blocks, then every column block reads them from there.
+void run_blocks(const Gemm& g, const Epilogue& e, int64_t r0, int64_t r1, int64_t n0, int64_t n1,
+                float* dst) {
+  thread_local std::vector<uint8_t> prepared;
+  const int64_t padded = (r1 - r0 + kRows - 1) / kRows * kRows;
+  prepared.resize(padded * g.K);
+  const uint8_t* src = g.q + r0 * g.K;
+  const int64_t bytes = (r1 - r0) * g.K;
+  uint8_t* a = prepared.data();
+  if (g.asym) {
+    std::memcpy(a, src, bytes);
+  } else {
+    for (int64_t i = 0; i < bytes; ++i) a[i] = src[i] ^ 0x80;
+  }
+  std::memset(a + bytes, 0, (padded - (r1 - r0)) * g.K);
+  for (int64_t n = n0; n < n1; n += kBlockCols) {
+    switch (std::min<int64_t>(kVecs, (n1 - n) / kW)) {
+#if defined(TP_ISA_AVX512)
+      case 4: run_columns<4>(g, e, a, r0, r1, n, dst); break;
+      case 3: run_columns<3>(g, e, a, r0, r1, n, dst); break;
+#endif
+      case 2: run_columns<2>(g, e, a, r0, r1, n, dst); break;
+      default: run_columns<1>(g, e, a, r0, r1, n, dst); break;
+    }
+  }
+}
+
+// LayerNorm of one row in place (the sum and sum of squares in one pass, then the
+// normalisation), returning the normalised row's range after `sm` (the handoff's smoothing),
+// as the AMX kernel does.
+std::pair<float, float> layer_norm_row_range(float* row, int64_t N, const float* g,
+                                             const float* b, double eps, const float* sm) {
+  vf s1 = vzero(), s2 = vzero();
+  for (int64_t n = 0; n < N; n += kW) {
+    const vf v = vloadu(row + n);
+    s1 = vadd(s1, v);
+    s2 = vfmadd(v, v, s2);
+  }
+  const float mean = vreduce_add(s1) / static_cast<float>(N);
+  const float var = std::max(vreduce_add(s2) / static_cast<float>(N) - mean * mean, 0.f);
+  const vf mu = vset1(mean);
+  const vf rstd = vset1(1.f / std::sqrt(var + static_cast<float>(eps)));
+  vf lo = vset1(std::numeric_limits<float>::infinity());
+  vf hi = vset1(-std::numeric_limits<float>::infinity());
+  for (int64_t n = 0; n < N; n += kW) {
+    const vf d = vmul(vsub(vloadu(row + n), mu), rstd);
+    const vf v = vfmadd(d, vloadu(g + n), vloadu(b + n));
+    vstoreu(row + n, v);
+    const vf vs = sm == nullptr ? v : vmul(v, vloadu(sm + n));
+    lo = vmin(lo, vs);
+    hi = vmax(hi, vs);
+  }
+  return {vreduce_min(lo), vreduce_max(hi)};
+}
+
+// The row pass of rows [r0, r1) (row r0 at src): multiply / residual when `sides`, LayerNorm,
+// the handoff, and the row written to out when it is wanted (else it stays in src).
+void finish_rows(const Gemm& g, int64_t r0, int64_t r1, float* src, bool sides) {
+  const Epilogue& e = g.e;
+  const bool any_side = sides && (e.multiply != nullptr || e.residual != nullptr);
+  for (int64_t t = r0; t < r1; ++t) {
+    float* row = src + (t - r0) * g.N;
+    float* dst = g.write_out ? g.out + t * g.N : row;
+    if (dst != row || any_side) {
+      for (int64_t n = 0; n < g.N; n += kW) {
+        vf v = vloadu(row + n);
+        if (sides && e.multiply != nullptr)
+          v = vmul(v, vloadu(e.multiply + t * e.multiply_row + n));
+        if (sides && e.residual != nullptr)
+          v = vadd(v, vloadu(e.residual + t * e.residual_row + n));
+        vstoreu(dst + n, v);
+      }
+    }
+    if (g.gamma != nullptr) {
+      const auto [mn, mx] = layer_norm_row_range(dst, g.N, g.gamma, g.beta, g.eps, g.h.smoothing);
+      g.h.row_given(dst, t, g.N, mn, mx);
+    } else {
+      g.h.row(dst, t, g.N);
+    }
+  }
+}
+
+inline int64_t group_rows(int64_t N) {
+  return std::clamp<int64_t>(kGroupBytes / (4 * N) / kRows * kRows, kRows, 16 * kRows);
+}
+
+// Many rows: each task does whole row groups, blocks into a per-thread L2-resident buffer, then
+// rows from it to out (the only writes to memory: row by row).
+void run_fused(const Gemm& g) {
+  const int64_t G = group_rows(g.N), groups = (g.T + G - 1) / G;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> rows;
+    if (rows.size() < static_cast<size_t>(G * g.N)) rows.resize(G * g.N);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r0 = i * G, r1 = std::min(g.T, r0 + G);
+      run_blocks(g, g.core, r0, r1, 0, g.N, rows.data());
+      finish_rows(g, r0, r1, rows.data(), true);
+    }
+  });
+}
+
+// Few rows (one short text): the blocks split by columns too, then the row pass; out is written.
+void run_split(const Gemm& g) {
+  const int64_t strips = (g.T + kRows - 1) / kRows;
+  const int64_t col_blocks = (g.N + kBlockCols - 1) / kBlockCols;
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::min<int64_t>(col_blocks, std::max<int64_t>(1, 2 * threads / strips));
+  at::parallel_for(0, strips * parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / parts, p = i % parts;
+      const int64_t r0 = s * kRows, r1 = std::min(g.T, r0 + kRows);
+      const int64_t n0 = col_blocks * p / parts * kBlockCols;
+      const int64_t n1 = std::min(g.N, col_blocks * (p + 1) / parts * kBlockCols);
+      run_blocks(g, g.e, r0, r1, n0, n1, g.out + r0 * g.N);
+    }
+  });
+  if (g.gamma != nullptr || g.h.q != nullptr) {
+    at::parallel_for(0, g.T, kGrain, [&](int64_t begin, int64_t end) {
+      finish_rows(g, begin, end, g.out + begin * g.N, false);
+    });
+  }
+}
+
+void check_packed(const at::Tensor& w, const at::Tensor& comp, int64_t N, int64_t K,
+                  const char* what) {
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && w.dim() == 4 &&
+                  w.size(0) == N / 16 && w.size(1) == K / 4 && w.size(2) == 16 && w.size(3) == 4,
+              what, ": packed int8 [N/16, K/4, 16, 4]");
+  TORCH_CHECK(comp.is_contiguous() && comp.scalar_type() == at::kInt && comp.numel() == N, what,
+              "'s comp: contiguous int32 [N]");
+}
+
+void vnni_linear(const at::Tensor& q, const at::Tensor& w, const c10::optional<at::Tensor>& w_lo,
+                 const at::Tensor& comp, const c10::optional<at::Tensor>& comp_lo,
+                 const at::Tensor& w_scale, const at::Tensor& scale,
+                 const c10::optional<at::Tensor>& scaled_zero,
+                 const c10::optional<at::Tensor>& wsum, const c10::optional<at::Tensor>& bias,
+                 int64_t act, const c10::optional<at::Tensor>& multiply,
+                 const c10::optional<at::Tensor>& residual,
+                 const c10::optional<at::Tensor>& gamma, const c10::optional<at::Tensor>& beta,
+                 double eps, const c10::optional<at::Tensor>& next_smoothing,
+                 const c10::optional<at::Tensor>& q_next,
+                 const c10::optional<at::Tensor>& q_scale,
+                 const c10::optional<at::Tensor>& q_scaled_zero, at::Tensor& out,
+                 bool write_out) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() &&
+                  (q.scalar_type() == at::kByte || q.scalar_type() == at::kChar),
+              "q: contiguous int8 / uint8 [T, K]");
+  const int64_t T = q.size(0), K = q.size(1), N = out.size(1);
+  TORCH_CHECK(K % 4 == 0 && N % 16 == 0, "K % 4 == 0 and N % 16 == 0");
+  TORCH_CHECK(out.size(0) == T, "out: [T, N]");
+  check_packed(w, comp, N, K, "w");
+  TORCH_CHECK(w_lo.has_value() == comp_lo.has_value(), "w_lo and comp_lo come together");
+  if (w_lo.has_value()) check_packed(*w_lo, *comp_lo, N, K, "w_lo");
+  Gemm g{};
+  g.q = static_cast<const uint8_t*>(q.data_ptr());
+  g.w = w.data_ptr<int8_t>();
+  g.w_lo = w_lo.has_value() ? w_lo->data_ptr<int8_t>() : nullptr;
+  g.comp = comp.data_ptr<int32_t>();
+  g.comp_lo = comp_lo.has_value() ? comp_lo->data_ptr<int32_t>() : nullptr;
+  g.w_scale = optional_ptr(w_scale, N, "w_scale");
+  g.T = T, g.K = K, g.N = N;
+  g.asym = q.scalar_type() == at::kByte;
+  g.e = make_epilogue(out, scale, scaled_zero, wsum, bias, act, multiply, residual);
+  TORCH_CHECK(g.asym == (g.e.scaled_zero != nullptr), "uint8 inputs come with scaled_zero");
+  g.core = g.e;
+  g.core.multiply = g.core.residual = nullptr;
+  g.h = make_handoff(out, next_smoothing, q_next, q_scale, q_scaled_zero);
+  TORCH_CHECK(gamma.has_value() == beta.has_value(), "gamma and beta come together");
+  g.gamma = optional_ptr(gamma, N, "gamma");
+  g.beta = optional_ptr(beta, N, "beta");
+  g.eps = eps;
+  g.out = out.data_ptr<float>();
+  g.write_out = write_out || g.h.q == nullptr;
+  if (T == 0) return;
+  const int64_t G = group_rows(N);
+  ((T + G - 1) / G >= 2 * at::get_num_threads()) ? run_fused(g) : run_split(g);
+}
+
+}  // namespace
+
+#ifndef TP_NS
+#define TP_NS tidepool_int8_vnni
+#endif
+
+TORCH_LIBRARY(TP_NS, m) {
+  m.def(
+      "linear(Tensor q, Tensor w, Tensor? w_lo, Tensor comp, Tensor? comp_lo, Tensor w_scale, "
+      "Tensor scale, Tensor? scaled_zero, Tensor? wsum, Tensor? bias, int act, Tensor? multiply, "
+      "Tensor? residual, Tensor? gamma, Tensor? beta, float eps, Tensor? next_smoothing, "
+      "Tensor(a!)? q_next, Tensor(b!)? q_scale, Tensor(c!)? q_scaled_zero, Tensor(d!) out, "
+      "bool write_out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(TP_NS, CPU, m) { m.impl("linear", &vnni_linear); }
