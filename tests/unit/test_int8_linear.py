@@ -130,7 +130,9 @@ def test_worst_case_inputs_sum_exactly(asym: bool, force_split: bool) -> None:
     k, n = 128, 48
     weight_q = torch.where(torch.rand(n, k) < 0.5, 127, -127).to(torch.int8)
     weight_q[:, :2] = 127  # pairs of equal sign: the saturating case
-    layer = Int8Linear(weight_q, torch.ones(n), None, None, asym=asym)
+    with pytest.MonkeyPatch.context() as mp:  # oneDNN's GEMM (the VNNI GEMM's: test_int8_vnni)
+        mp.setenv("TIDEPOOL_INT8_GEMM", "onednn")
+        layer = Int8Linear(weight_q, torch.ones(n), None, None, asym=asym)
     if force_split:
         layer.split_input, layer._zero_point, layer._ops = True, True, None
         layer.register_buffer("weight_sum", weight_q.sum(dim=1, dtype=torch.int64).float())

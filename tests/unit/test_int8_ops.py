@@ -143,7 +143,9 @@ def _layer(in_features: int, out_features: int, activation: str | None, asym: bo
     with torch.no_grad():
         layer.weight.normal_(0, in_features**-0.5)
         layer.bias.normal_(0, 0.1)
-    return Int8Linear.from_linear(layer, asym=asym)
+    with pytest.MonkeyPatch.context() as mp:  # these test the kernels around oneDNN's GEMM
+        mp.setenv("TIDEPOOL_INT8_GEMM", "onednn")  # (the VNNI / AMX GEMMs: their own tests)
+        return Int8Linear.from_linear(layer, asym=asym)
 
 
 @layer_runs_kernels

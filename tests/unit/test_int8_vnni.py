@@ -210,3 +210,24 @@ def test_the_cap_chooses_the_build(monkeypatch) -> None:
         int8_ops.vnni_isa()
     monkeypatch.undo()
     cpu_features.reset()
+
+
+@pytest.mark.parametrize("asym", [False, True])
+def test_full_range_sums_are_exact(isa, asym) -> None:
+    """Every input 255 (asymmetric) or -128 / 127 (symmetric) against weights ±127 in pairs of
+    equal sign, where vpmaddubsw's int16 pairs would saturate (2 · 255 · 127 > 2¹⁵): the sums
+    equal the integer product (K · 255 · 127 < 2²⁴: exact in float32 too)."""
+    k, n = 128, 48
+    w = torch.where(torch.rand(n, k, generator=torch.Generator().manual_seed(3)) < 0.5, 127, -127)
+    w = w.to(torch.int8)
+    w[:, :4] = 127
+    if asym:
+        q = torch.full((7, k), 255, dtype=torch.uint8)
+    else:
+        q = torch.full((7, k), -128, dtype=torch.int8)
+        q[1::2] = 127
+    s, sz = torch.ones(7), torch.zeros(7) if asym else None
+    wsum = torch.zeros(n) if asym else None
+    out = torch.empty(7, n)
+    _call(int8_ops.load_vnni(isa), q, w, None, torch.ones(n), s, sz, wsum, None, 0, None, None, out)
+    assert torch.equal(out, (q.int() @ w.int().T).float())
