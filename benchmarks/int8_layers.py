@@ -1,12 +1,15 @@
-"""A BERT layer's four int8 linears as the model chains them, on tidepool's AMX GEMM against
-oneDNN's int8 GEMM + tidepool's epilogue kernels (TIDEPOOL_INT8_GEMM=onednn), side by side.
+"""A BERT layer's four int8 linears as the model chains them, on tidepool's own GEMM (AMX tiles
+where the CPU has AMX-INT8, else the VNNI kernel: AVX-512 VNNI or AVX-VNNI, whichever
+kernels/cpu_features.py chose; TIDEPOOL_CPU_ISA caps it) against oneDNN's int8 GEMM +
+tidepool's epilogue kernels (TIDEPOOL_INT8_GEMM=onednn), side by side. The header names the CPU's
+instruction sets and the kernel each side ran.
 
 Per step size (tokens) and model shape, both variants of the same layers (same weights, same
 asymmetric per-token inputs) run alternately; medians of --rounds, milliseconds per call:
 
   qkv    hidden → 3·hidden, float32 out (the attention reads it)
   o      hidden → hidden, + residual, LayerNorm, the row quantized for FFN up (handoff)
-  up     hidden → 4·hidden, GELU, quantized for FFN down; AMX writes no float32 (exclusive)
+  up     hidden → 4·hidden, GELU, quantized for FFN down; tidepool's GEMM writes no float32
   down   4·hidden → hidden, + residual, LayerNorm, quantized for the next layer's QKV
 
     python benchmarks/int8_layers.py [--threads 1] [--tokens 1024,4096] [--hidden 384,768]
@@ -25,10 +28,11 @@ import tidepool  # noqa: F401
 # isort: split
 import torch
 
+from tidepool.kernels import cpu_features
 from tidepool.models.layers.linear import Linear
 from tidepool.quantization.int8_linear import Int8Linear
 
-VARIANTS = ("onednn", "auto")  # TIDEPOOL_INT8_GEMM values: oneDNN + epilogue kernels, AMX
+VARIANTS = ("onednn", "auto")  # TIDEPOOL_INT8_GEMM values: oneDNN + epilogue kernels, ours
 
 
 def _linear(k: int, n: int, activation: str | None, variant: str) -> Int8Linear:
@@ -87,10 +91,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_features.describe()}")
+    kernel = repr(_linear(64, 64, None, "auto")).split("kernels=")[1].rstrip(")")
     print(
-        f"{args.threads} thread(s); ms per call, medians of {args.rounds - 1} (after one warm-up)"
+        f"{args.threads} thread(s); ms per call, medians of {args.rounds - 1} (after one warm-up);"
+        f" tidepool's GEMM: kernels={kernel}"
     )
-    print("| hidden | tokens | linear | oneDNN + epilogues | AMX | AMX speed-up |")
+    print("| hidden | tokens | linear | oneDNN + epilogues | tidepool | speed-up |")
     print("| ---: | ---: | --- | ---: | ---: | ---: |")
     for hidden in (int(h) for h in args.hidden.split(",")):
         for tokens in (int(t) for t in args.tokens.split(",")):
