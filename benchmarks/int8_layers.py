@@ -13,6 +13,10 @@ asymmetric per-token inputs) run alternately; medians of --rounds, milliseconds 
   down   4·hidden → hidden, + residual, LayerNorm, quantized for the next layer's QKV
 
     python benchmarks/int8_layers.py [--threads 1] [--tokens 1024,4096] [--hidden 384,768]
+                                     [--cpu-time]
+
+--cpu-time times each call by the calling thread's CPU time (one thread only): on a loaded
+machine it leaves out the time the thread was descheduled, which wall time cannot.
 """
 
 from __future__ import annotations
@@ -71,15 +75,15 @@ def _layer_calls(hidden: int, tokens: int, variant: str) -> dict[str, object]:
     return {"qkv": lambda: qkv(x), "o": run_o, "up": run_up, "down": run_down}
 
 
-def measure(hidden: int, tokens: int, rounds: int) -> dict[str, dict[str, float]]:
+def measure(hidden: int, tokens: int, rounds: int, clock=time.perf_counter) -> dict:
     calls = {v: _layer_calls(hidden, tokens, v) for v in VARIANTS}
     times: dict[str, dict[str, list[float]]] = {v: {n: [] for n in calls[v]} for v in VARIANTS}
     for _ in range(rounds):
         for variant in VARIANTS:
             for name, call in calls[variant].items():  # in order: each feeds the next
-                start = time.perf_counter()
+                start = clock()
                 call()
-                times[variant][name].append(time.perf_counter() - start)
+                times[variant][name].append(clock() - start)
     return {v: {n: statistics.median(t[1:]) * 1e3 for n, t in times[v].items()} for v in VARIANTS}
 
 
@@ -89,19 +93,24 @@ def main() -> None:
     parser.add_argument("--tokens", default="1024,4096")
     parser.add_argument("--hidden", default="384,768")
     parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--cpu-time", action="store_true", help="thread CPU time (1 thread)")
     args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time measures the calling thread: it needs --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_features.describe()}")
     kernel = repr(_linear(64, 64, None, "auto")).split("kernels=")[1].rstrip(")")
     print(
-        f"{args.threads} thread(s); ms per call, medians of {args.rounds - 1} (after one warm-up);"
+        f"{args.threads} thread(s); ms per call ({'CPU' if args.cpu_time else 'wall'} time), "
+        f"medians of {args.rounds - 1} (after one warm-up);"
         f" tidepool's GEMM: kernels={kernel}"
     )
     print("| hidden | tokens | linear | oneDNN + epilogues | tidepool | speed-up |")
     print("| ---: | ---: | --- | ---: | ---: | ---: |")
     for hidden in (int(h) for h in args.hidden.split(",")):
         for tokens in (int(t) for t in args.tokens.split(",")):
-            res = measure(hidden, tokens, args.rounds)
+            res = measure(hidden, tokens, args.rounds, clock)
             total = {v: sum(res[v].values()) for v in VARIANTS}
             for name in [*res["auto"], "all four"]:
                 old, new = (res[v].get(name, total[v]) for v in VARIANTS)
