@@ -156,9 +156,12 @@ def kernel_paths() -> str:
 
     int8_isa = int8_ops.chosen_isa()
     amx = cpu_features.usable("amx") and envs.int8_gemm() == "auto"
+    vnni = getattr(int8_ops, "vnni_isa", lambda: None)() if envs.int8_gemm() == "auto" else None
     gemm = "tidepool AMX GEMM (K % 64, N % 32; else oneDNN)" if amx else "oneDNN int8 GEMM"
+    if not amx and vnni and int8_isa:
+        gemm = f"tidepool VNNI GEMM, {vnni} build (K % 4, N % 16; else oneDNN)"
     epilogues = f"tidepool epilogues, {int8_isa} build" if int8_isa else "torch-op epilogues"
-    if not amx and int8_gemm_available() and onednn_int8_saturates():
+    if not amx and not vnni and int8_gemm_available() and onednn_int8_saturates():
         gemm, epilogues = "oneDNN int8 GEMM as two 7-bit GEMMs (no VNNI)", "torch-op epilogues"
     return (
         f"encoder attention: {attention}; decoder ops: {isa or 'torch ops'}; "
