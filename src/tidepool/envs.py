@@ -61,7 +61,8 @@ def cpu_isa() -> str:
 def int8_gemm() -> str:
     """TIDEPOOL_INT8_GEMM: the int8 linears' GEMM. "auto" (default): tidepool's AMX kernel with
     the epilogue in its tile loop where the CPU has AMX-INT8 and the shape fits (K % 64, N % 32),
-    else oneDNN's int8 matmul and tidepool's epilogue kernels; "onednn": always the latter."""
+    else its VNNI kernel where the CPU has AVX-512 VNNI or AVX-VNNI (K % 4, N % 16), else
+    oneDNN's int8 matmul and tidepool's epilogue kernels; "onednn": always the latter."""
     value = (os.environ.get("TIDEPOOL_INT8_GEMM") or "auto").lower()
     if value not in ("auto", "onednn"):
         raise ValueError(f"TIDEPOOL_INT8_GEMM must be auto or onednn, got {value!r}")

@@ -5,9 +5,9 @@ quantization/int8_ops.py) and the benchmarks. Levels, in order (as oneDNN's ISA 
 
     level         the CPU needs                                       who uses it
     avx2          avx2, fma                                           AVX2 builds of the kernels
-    avx2_vnni     + avx_vnni (256-bit VNNI of client CPUs)            (a VNNI GEMM, issue 27)
+    avx2_vnni     + avx_vnni (256-bit VNNI of client CPUs)            the VNNI int8 GEMM, 256-bit
     avx512        avx2, fma, avx512f, avx512bw, avx512dq, avx512vl    AVX-512 builds
-    avx512_vnni   + avx512_vnni                                       (a VNNI GEMM, issue 27)
+    avx512_vnni   + avx512_vnni                                       the VNNI int8 GEMM, 512-bit
     avx512_bf16   + avx512_bf16                                       (vdpbf16ps, issue 27)
     amx           + amx_tile, amx_int8, amx_bf16                      the AMX int8 GEMM, AMX-bf16
 
