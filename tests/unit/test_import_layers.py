@@ -310,3 +310,66 @@ def test_only_the_engine_steps_the_core() -> None:
             receiver = ast.unparse(node.func.value).lower()
             if node.func.attr == "step" and ("engine" in receiver or "core" in receiver):
                 raise AssertionError(f"{name}:{node.lineno} steps the core")
+
+
+def _private_methods() -> set[str]:
+    """Names of the `_private` methods tidepool's classes define."""
+    names = set()
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                names.update(
+                    item.name
+                    for item in node.body
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and item.name.startswith("_")
+                    and not item.name.endswith("__")
+                )
+    return names
+
+
+class _PrivateCalls(ast.NodeVisitor):
+    """`obj._name(...)` where `_name` is one of tidepool's private methods and `obj` is not
+    `self`, `cls`, `super()` or the enclosing class by name (torch's own `_ops` are not ours)."""
+
+    def __init__(self, private: set[str]) -> None:
+        self.private = private
+        self.classes: list[str] = []
+        self.found: list[tuple[int, str]] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.classes.append(node.name)
+        self.generic_visit(node)
+        self.classes.pop()
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in self.private:
+            receiver = func.value
+            own = {"self", "cls", *self.classes}
+            is_super = isinstance(receiver, ast.Call) and ast.unparse(receiver.func) == "super"
+            if not (isinstance(receiver, ast.Name) and receiver.id in own) and not is_super:
+                self.found.append((node.lineno, ast.unparse(func)))
+        self.generic_visit(node)
+
+
+def test_the_private_call_walker_sees_calls_on_other_objects() -> None:
+    calls = _PrivateCalls({"_run", "_make"})
+    calls.visit(
+        ast.parse(
+            "class A:\n    def f(self, other):\n        self._run(); A._make(); other._run()\n"
+            "def g(serving):\n    serving.engine._run(); serving._other()\n"
+        )
+    )
+    assert calls.found == [(3, "other._run"), (5, "serving.engine._run")]
+
+
+def test_no_module_calls_another_objects_private_methods() -> None:
+    """A class's `_private` methods are its own: a module that needs one needs a public one."""
+    private = _private_methods()
+    found = []
+    for name, path in _modules().items():
+        calls = _PrivateCalls(private)
+        calls.visit(ast.parse(path.read_text(encoding="utf-8")))
+        found += [f"{name}:{line} {call}" for line, call in calls.found]
+    assert found == []

@@ -71,7 +71,7 @@ class CohereServing:
         for name in ("images", "inputs"):
             if getattr(req, name) is not None:
                 raise ApiError(400, f"{name} is not supported: this server embeds texts only")
-        serving._check_task("embed", "Embed")
+        serving.check_task("embed", "Embed")
         texts = parse_texts(req.texts, "texts", allow_single=False)
         serving.check_count(len(texts), "texts")
         types = list(dict.fromkeys(req.embedding_types or ["float"]))
@@ -81,7 +81,7 @@ class CohereServing:
         truncate_prompt_tokens, side = self._truncation(req)
         prompt_name = input_type_prompt(serving, req.input_type)
         with cohere_names():
-            params = serving._params(
+            params = serving.pooling_params(
                 "texts",
                 task="embed",
                 dimensions=req.output_dimension,
@@ -90,7 +90,7 @@ class CohereServing:
                 prompt_name=prompt_name,
             )
             work = serving.engine.encode(texts, [params] * len(texts))
-            outputs = await serving._run(work, "texts")
+            outputs = await serving.run_batch(work, "texts")
         vectors = [o.outputs.data for o in outputs]
         embeddings = {t: [_encode(v, t, ranges) for v in vectors] for t in types}
         num_tokens = sum(len(o.prompt_token_ids) for o in outputs)

@@ -66,12 +66,12 @@ class OpenAIServingSparse:
     async def embed_sparse(self, req: pt.EmbedSparseRequest) -> pt.EmbedSparseResponse:
         serving = self.serving
         serving.model_name(req.model)
-        serving._check_task("embed_sparse", "Sparse embeddings (/embed_sparse)")
+        serving.check_task("embed_sparse", "Sparse embeddings (/embed_sparse)")
         if req.truncation_direction.lower() != "right":
             raise ApiError(
                 400, "truncation_direction Left is not supported", "truncation_direction"
             )
-        outputs = await serving._encode_input(
+        outputs = await serving.encode_input(
             req.inputs,
             task="embed_sparse",
             truncate_prompt_tokens=-1 if req.truncate else None,
