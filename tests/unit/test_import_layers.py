@@ -99,10 +99,13 @@ def _import_graph() -> dict[str, list[Import]]:
 GRAPH = _import_graph()
 
 
-def _cycles(graph: dict[str, list[Import]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan), over runtime imports."""
+def _cycles(graph: dict[str, list[Import]], type_only: bool = False) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), over runtime imports
+    (and those under `if TYPE_CHECKING:` too with `type_only`)."""
     edges = {
-        module: sorted({i.target for i in imports if i.target in graph and not i.type_only})
+        module: sorted(
+            {i.target for i in imports if i.target in graph and (type_only or not i.type_only)}
+        )
         for module, imports in graph.items()
     }
     index: dict[str, int] = {}
@@ -186,10 +189,38 @@ def test_the_walker_sees_lazy_and_relative_imports() -> None:
     ]
     assert len(GRAPH) > 40 and sum(len(v) for v in GRAPH.values()) > 200
     assert _cycles({"a": [Import("b", 1, False)], "b": [Import("a", 1, False)]}) == [["a", "b"]]
+    typed = {"a": [Import("b", 1, True)], "b": [Import("a", 1, False)]}
+    assert _cycles(typed) == [] and _cycles(typed, type_only=True) == [["a", "b"]]
 
 
 def test_no_import_cycles() -> None:
     assert _cycles(GRAPH) == []
+
+
+_HEADS_CYCLE = {"tidepool.worker.pooler", "tidepool.worker.token_poolers"}
+"""The one cycle under TYPE_CHECKING left: the output-heads work (issue 28, item 2) removes it."""
+
+
+@pytest.mark.parametrize(
+    "heads",
+    [
+        pytest.param(False, id="all-but-the-poolers"),
+        pytest.param(
+            True,
+            id="worker-poolers",
+            marks=pytest.mark.xfail(
+                reason="worker/pooler <-> worker/token_poolers under TYPE_CHECKING: removed by "
+                "the output-heads work (issue 28, item 2), not yet merged",
+                strict=False,
+            ),
+        ),
+    ],
+)
+def test_no_type_checking_cycles(heads: bool) -> None:
+    """A cycle that exists only for the type checker still ties the modules' designs together
+    (each needs the other to be read)."""
+    cycles = _cycles(GRAPH, type_only=True)
+    assert [c for c in cycles if bool(set(c) & _HEADS_CYCLE) == heads] == []
 
 
 def test_no_cycles_among_model_loading() -> None:

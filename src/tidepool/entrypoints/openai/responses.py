@@ -17,7 +17,7 @@ except ImportError:  # the server then writes responses with pydantic alone
 
 from tidepool.entrypoints.openai import protocol as p
 from tidepool.entrypoints.openai.encodings import encode_values
-from tidepool.entrypoints.openai.serving_sparse import sparse_pooling_data
+from tidepool.entrypoints.openai.token_outputs import sparse_pooling_data
 from tidepool.outputs import PoolingRequestOutput
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

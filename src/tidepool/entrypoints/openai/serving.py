@@ -45,9 +45,6 @@ from tidepool.entrypoints.openai.responses import (
     response_of,
     vectors_of,
 )
-from tidepool.entrypoints.openai.serving_sparse import (
-    token_classification_data,
-)
 from tidepool.entrypoints.openai.serving_vllm import (
     bytes_response,
     check_vllm_fields,
@@ -56,6 +53,7 @@ from tidepool.entrypoints.openai.serving_vllm import (
     response_id,
     use_activation_of,
 )
+from tidepool.entrypoints.openai.token_outputs import token_classification_data
 from tidepool.outputs import BatchInputError, PoolingRequestOutput
 from tidepool.params import PoolingParams, check_pooling_task
 
