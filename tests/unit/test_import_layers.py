@@ -299,6 +299,11 @@ def test_no_cycles_among_model_loading() -> None:
             "tidepool.entrypoints",
         ),
         _layer("tidepool.worker", "tidepool.engine", "tidepool.entrypoints"),
+        # entry points (the CLI) run jobs; jobs (the Ray runner) use ray/'s Predictor; both reach
+        # the offline LLM through ray/pooling.py's OfflineLLM, never through entrypoints/.
+        _layer("tidepool.jobs", "tidepool.entrypoints"),
+        _layer("tidepool.ray", "tidepool.jobs", "tidepool.entrypoints"),
+        _layer("tidepool.outputs", "tidepool.core"),
     ],
 )
 def test_layer_rules(importer: str, forbidden: tuple[str, ...]) -> None:
