@@ -455,7 +455,10 @@ class InputProcessor:
                 token_ids[i] = p.token_ids
             else:
                 texts.append((i, p.text))  # type: ignore[arg-type]
-        keeps_last = [params[i].truncate_prompt_tokens is not None for i, _ in texts]
+        keeps_last = [
+            params[i].truncate_prompt_tokens is not None and params[i].truncation_side == "left"
+            for i, _ in texts
+        ]
         encoded = tokenize_generate(
             self._prefix_tokenizer,
             self.max_model_len,
@@ -471,9 +474,7 @@ class InputProcessor:
         for i, ids in enumerate(token_ids):
             if ids is None:
                 continue
-            keep = params[i].truncate_prompt_tokens
-            if keep is not None:
-                ids = ids[-keep:]
+            ids = keep(ids, params[i].truncate_prompt_tokens, params[i].truncation_side)
             if not ids:
                 results[i] = RequestError(i, "the prompt has no tokens")
             elif error := self._check_len(len(ids)):
