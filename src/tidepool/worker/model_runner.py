@@ -40,13 +40,8 @@ CAUSAL_MAX_PAD_FRACTION = 0.25
 
 # CPU encoder steps up to this many tokens run on one thread: their ops are so short that waking
 # the other OpenMP threads (they sleep between ops under OMP_WAIT_POLICY=PASSIVE) costs more
-# than it saves. Measured on the 2-core machine, MiniLM, one text, p50 of 2 threads vs 1: bf16
-# 8 tokens 9.0 vs 5.0 ms, 32 tokens 9.8 vs 5.7-6.1, 64 tokens 11.9 vs 8.6, 128 tokens 14.6 vs
-# 12.0, 252 tokens 21.0 vs 21.5. float32 and int8 (docs/performance.md, "One short text"; the
-# two sides alternating in one process, load 2.5-6.5): float32 32 tokens 7.8 vs 7.1 ms (load
-# 2.5), 19.1-20.0 vs 16.4-16.9 (load 6.5), 64 tokens 1.04x for 1 thread, 128 tokens tied (0.97-
-# 1.11x); int8 32 tokens 1.19-1.36x for 1 thread, 64 tokens 1.16-1.19x, 128 1.09-1.11x.
-# Switching costs ~0.3 us.
+# than it saves; the limits per dtype are where two threads stopped losing (the measurements:
+# docs/performance.md, "One short text", "The second thread").
 SINGLE_THREAD_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 192, torch.float16: 192}
 SINGLE_THREAD_MAX_TOKENS_QUANTIZED = {"int8": 96}
 """The same limit for a quantized model (its dtype is float32: the activations' dtype)."""
