@@ -54,15 +54,7 @@ from tidepool.engine.args import build_engine_config
 from tidepool.engine.chunked import combine, expand, has_chunks
 from tidepool.engine.engine_core import EngineCore
 from tidepool.engine.generate_inputs import eos_token_ids
-from tidepool.engine.generation_stream import (
-    GenerationInput,
-    GenerationStream,
-    PoolingGroup,
-    PoolingSubmission,
-    Resolution,
-    StreamGroup,
-    deliver,
-)
+from tidepool.engine.generation_stream import GenerationInput, GenerationStream, StreamGroup
 from tidepool.engine.input_processor import InputProcessor
 from tidepool.engine.llm_engine import (
     EngineClosedError,
@@ -70,6 +62,7 @@ from tidepool.engine.llm_engine import (
     LLMEngine,
     StepRecord,
 )
+from tidepool.engine.pooling_future import PoolingGroup, PoolingSubmission, Resolution, deliver
 from tidepool.engine.shared_work import SharedWork, SharedWorkOptions
 from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams, SamplingParams
