@@ -121,7 +121,7 @@ def _stack(task: str, outputs: Sequence[Any], num_rows: int) -> np.ndarray:
         )
     vectors = [None if out is None else out.outputs.data.float().numpy() for out in outputs]
     width = next((len(v) for v in vectors if v is not None), 0)
-    stacked = np.zeros((num_rows, width), dtype=np.float32)
+    stacked: np.ndarray = np.zeros((num_rows, width), dtype=np.float32)
     for i, vector in enumerate(vectors):
         if vector is not None:
             stacked[i] = vector

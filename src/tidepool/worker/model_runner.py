@@ -126,16 +126,17 @@ class ModelRunner:
         group_of = {
             name: g for g, group in enumerate(kv_config.groups) for name in group.layer_names
         }
-        names = [name for name, spec in specs.items() if spec is not None]
+        layer_specs = {name: spec for name, spec in specs.items() if spec is not None}
+        names = list(layer_specs)
         self.kv_caches = [caches[name] for name in names]
         # One attention view per (group, layer spec): a layer keeps its own window even where the
         # uniform layout put it in a full-attention group.
         views: dict[AttentionView, int] = {}
         for name in names:
-            views.setdefault(AttentionView(group_of[name], specs[name]), len(views))
+            views.setdefault(AttentionView(group_of[name], layer_specs[name]), len(views))
         self.attention_views = tuple(views)
         self.layer_groups = tuple(
-            views[AttentionView(group_of[name], specs[name])] for name in names
+            views[AttentionView(group_of[name], layer_specs[name])] for name in names
         )
         self.kv_cache_config = kv_config
         if all(

@@ -340,6 +340,7 @@ class Pooler(nn.Module):
         self, pooled: torch.Tensor, params: list[PoolingParams]
     ) -> list[torch.Tensor]:
         """pooled [n, hidden] → the head's output per sequence (on the CPU, float32)."""
+        head: Callable[[torch.Tensor, PoolingParams], torch.Tensor]
         if self.task == "classify":
             head = self.finish_logits
             values = self.model.compute_logits(pooled).float()  # type: ignore[union-attr]
