@@ -489,4 +489,4 @@ def _requests_or_raise(items: list[Any]) -> list[Any]:
     errors = [item for item in items if isinstance(item, RequestError)]
     if errors:
         raise BatchInputError(errors)
-    return items  # type: ignore[return-value]
+    return items

@@ -178,8 +178,8 @@ class T5EncoderModel(BertModel):
     def __init__(self, config) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.embeddings = T5Embeddings(config)  # type: ignore[assignment]
-        self.encoder = T5Stack(config)  # type: ignore[assignment]
+        self.embeddings = T5Embeddings(config)
+        self.encoder = T5Stack(config)
         self.attention_backend = BUCKETED_SDPA
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
