@@ -67,6 +67,7 @@ from tidepool.engine.shared_work import SharedWork, SharedWorkOptions
 from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
+from tidepool.utils.lists import filled
 
 __all__ = [
     "AsyncEngine",
@@ -348,8 +349,11 @@ class AsyncEngine:
         if not has_chunks(items):
             return await self._run_pooling(items)
         expansion = expand(items)
-        outputs = await self._run_pooling(expansion.flat)  # type: ignore[arg-type]
-        return combine(expansion, outputs, [], self.model_config)[0]  # type: ignore[return-value]
+        # The items passed _requests_or_raise: every flat item is a Request, every output there.
+        requests = [r for r in expansion.flat if isinstance(r, Request)]
+        assert len(requests) == len(expansion.flat)
+        outputs = await self._run_pooling(requests)
+        return filled(combine(expansion, outputs, [], self.model_config)[0])
 
     async def _run_pooling(self, requests: list[Request]) -> list[PoolingRequestOutput]:
         if not self.shared_work.options.enabled:

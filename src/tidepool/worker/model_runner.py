@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -28,6 +28,7 @@ from tidepool.model_loader.registry import build_model
 from tidepool.models.interfaces import DecoderModel, EncoderModel, LanguageModelHead
 from tidepool.params import PoolingParams
 from tidepool.request import Request
+from tidepool.utils.lists import filled
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
 from tidepool.worker.memory import NativeMemory
 from tidepool.worker.pooler import Pooler, PoolingMetadata
@@ -195,8 +196,7 @@ class ModelRunner:
         if self.sampler is not None:
             return True
         return not any(
-            self.pooler.reads_all_tokens(r.pooling_params)  # type: ignore[arg-type]
-            for r in sched_out.scheduled
+            self.pooler.reads_all_tokens(p) for p in _pooling_params(sched_out.scheduled)
         )
 
     def _execute_encoder(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor]:
@@ -230,7 +230,7 @@ class ModelRunner:
             dtype=self.config.model.dtype,
             key_lens=_key_lens(requests),
         )
-        params: list[PoolingParams] = [r.pooling_params for r in requests]  # type: ignore[misc]
+        params = _pooling_params(requests)
         model = cast(EncoderModel, self.model)  # _check_contract: not causal → EncoderModel
         if self._pools_first_tokens_only(params):
             # hidden: [num_seqs, hidden], each sequence's first token; to the pooler every
@@ -262,7 +262,7 @@ class ModelRunner:
         meta = PoolingMetadata(
             seq_lens=batch.query_lens,
             cu_seqlens=batch.cu_query_lens,
-            params=[r.pooling_params for r in batch.requests],  # type: ignore[misc]
+            params=_pooling_params(batch.requests),
         )
         states = [self.states[r.request_id] for r in batch.requests]
         outputs, running = self.pooler.forward_chunks(
@@ -291,7 +291,7 @@ class ModelRunner:
         meta = PoolingMetadata(
             seq_lens=[1] * num_rows,
             cu_seqlens=torch.arange(num_rows + 1, dtype=torch.int64, device=hidden.device),
-            params=[r.pooling_params for r in requests],  # type: ignore[misc]
+            params=_pooling_params(requests),
         )
         outputs, _ = self.pooler.forward_chunks(
             hidden,
@@ -317,16 +317,16 @@ class ModelRunner:
             generator = self.states[request.request_id].generator
             if generator is not None:
                 generators[row] = generator
-        params = [r.sampling_params for r in requests]
         meta = SamplingMetadata.build(
-            params,  # type: ignore[arg-type]
+            filled([r.sampling_params for r in requests]),
             [r.output_token_ids for r in requests],
             [r.prompt_token_ids for r in requests],
             [_stop_token_ids(r) for r in requests],
             generators,
             logits.shape[1],
         )
-        out = self.sampler(logits, meta)  # type: ignore[misc]
+        assert self.sampler is not None  # _sample runs on generating models only
+        out = self.sampler(logits, meta)
         return {
             r.request_id: SampledToken(token, logprobs)
             for r, token, logprobs in zip(requests, out.token_ids, out.logprobs, strict=True)
@@ -361,3 +361,8 @@ def _stop_token_ids(request) -> list[int]:
     params = request.sampling_params
     ids = [] if params.ignore_eos else list(request.eos_token_ids)
     return ids + list(params.stop_token_ids)
+
+
+def _pooling_params(requests: Sequence[Request]) -> list[PoolingParams]:
+    """The params of a pooling step's requests (the scheduler gives a pooling model no other)."""
+    return filled([r.pooling_params for r in requests])
