@@ -56,6 +56,7 @@ from tidepool.entrypoints.openai.serving_vllm import (
 from tidepool.entrypoints.openai.token_outputs import token_classification_data
 from tidepool.outputs import BatchInputError, PoolingRequestOutput
 from tidepool.params import PoolingParams, check_pooling_task
+from tidepool.utils.lists import filled
 
 T = TypeVar("T")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -400,7 +401,7 @@ class OpenAIServing:
             first = e.errors[0]
             raise ApiError(400, f"{plan.texts[first.index]!r:.60}: {first.message}", param) from e
         scores = cosine_scores([o.outputs.data for o in outputs], plan.pair_slots)
-        return scores, sum(len(o.prompt_token_ids) for o in outputs)  # type: ignore[return-value]
+        return filled(scores), sum(len(o.prompt_token_ids) for o in outputs)
 
     async def _score_by_late_interaction(
         self, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None, param: str
@@ -428,7 +429,7 @@ class OpenAIServing:
             [o.outputs.data for o in queries], [o.outputs.data for o in documents], plan.pair_slots
         )
         num_tokens = sum(len(o.prompt_token_ids) for o in queries + documents)
-        return scores, num_tokens  # type: ignore[return-value]
+        return filled(scores), num_tokens
 
     # ------------------------------------------------------------------ models
 
