@@ -3,15 +3,17 @@ same cache: the same step planned twice, once with every row in SDPA buckets (ga
 additive masks) and once with the few-query rows handed to the kernel (paged_metadata's
 split_decode_rows), for every block size the engine and tests use, full attention and sliding
 windows, GQA ratios 1 / 2 / 4, soft-capping, contexts that end on, before and after block
-boundaries, and rows of one and of several queries."""
+boundaries, and rows of one and of several queries; each test once per ISA build the CPU runs
+(AVX-512 and AVX2 + FMA, tests/cpu_isa.py: TIDEPOOL_CPU_ISA chooses the build the engine takes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from cpu_isa import build_fixture
 from tolerances import assert_close
 
-from tidepool.attention import cpu_paged_decode
+from tidepool.attention import cpu_kernels, cpu_paged_decode
 from tidepool.attention.paged import paged_attention, write_kv
 from tidepool.attention.paged_metadata import (
     build_group_metadata,
@@ -24,6 +26,8 @@ from tidepool.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 needs_kernel = pytest.mark.skipif(
     cpu_paged_decode.load() is None, reason="the paged decode kernel is not built here"
 )
+
+decode_isa = build_fixture(cpu_kernels.BUILD_ISAS, cpu_paged_decode.load, "the paged decode kernel")
 
 NUM_HEADS = 4
 # Contexts ending before, on and after block boundaries (block sizes 1, 4, 16), long ones too.
@@ -97,11 +101,11 @@ def _compare(spec, context_lens, query_lens, softcap, dtype=torch.float32):
 
 
 @needs_kernel
-@pytest.mark.parametrize("block_size", [1, 4, 16], ids=lambda b: f"block{b}")
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32], ids=lambda b: f"block{b}")
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa2", "gqa4"])
 @pytest.mark.parametrize("window", [None, 8], ids=["full", "window8"])
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["nocap", "softcap"])
-def test_decodes_match_sdpa(block_size, kv_heads, window, softcap):
+def test_decodes_match_sdpa(decode_isa, block_size, kv_heads, window, softcap):
     if window is None:
         spec = FullAttentionSpec(block_size, kv_heads, 64, torch.float32)
     else:
@@ -113,7 +117,7 @@ def test_decodes_match_sdpa(block_size, kv_heads, window, softcap):
 @needs_kernel
 @pytest.mark.parametrize("window", [None, 6], ids=["full", "window6"])
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["nocap", "softcap"])
-def test_rows_of_several_queries_match_sdpa(window, softcap):
+def test_rows_of_several_queries_match_sdpa(decode_isa, window, softcap):
     """Decodes beside rows of 2-16 queries (speculative-like rows, short prompts from 0, a
     chunk after a context) and a long prompt that stays in its causal SDPA row."""
     block_size = 4
@@ -127,20 +131,55 @@ def test_rows_of_several_queries_match_sdpa(window, softcap):
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_size", [128, 256, 40])
-def test_head_sizes(head_size):
+@pytest.mark.parametrize("head_size", [128, 256, 40, 72])
+def test_head_sizes(decode_isa, head_size):
+    """Heads of 16k and 16k + 8 floats (AVX-512's masked half vector at a head's end)."""
     spec = FullAttentionSpec(16, 2, head_size, torch.float32)
     _compare(spec, [50, 17, 16, 2], [1, 1, 1, 1], None)
 
 
 @needs_kernel
-def test_bfloat16_cache():
+def test_bfloat16_cache(decode_isa):
     spec = SlidingWindowSpec(16, 2, 64, torch.bfloat16, 20)
     _compare(spec, [70, 33, 16, 4], [1, 1, 1, 2], 5.0, dtype=torch.bfloat16)
 
 
 @needs_kernel
-def test_refuses_bad_rows():
+@pytest.mark.parametrize("window", [None, 256], ids=["full", "window256"])
+def test_gemma2_benchmark_shape(decode_isa, window):
+    """The Gemma-2 workload's layers (benchmarks/generate_vs_vllm.py): heads of 128, GQA 2,
+    soft-cap 50, windows of 256 over contexts of 500-1,000 tokens (many blocks, the window
+    starting inside a block), decodes beside a short chunk."""
+    if window is None:
+        spec = FullAttentionSpec(16, 2, 128, torch.float32)
+    else:
+        spec = SlidingWindowSpec(16, 2, 128, torch.float32, window)
+    _compare(spec, [999, 700, 517, 255, 40], [1, 1, 1, 1, 5], 50.0)
+
+
+@needs_kernel
+def test_tanh_soft_cap_matches_torch(decode_isa):
+    """The kernel's vector tanh (soft-capping) against float64 tanh across both of its branches
+    (|x| below and above 0.625) and saturation, read through the output: two keys with scores
+    a and 0, V = e0 and 0, so output[0] = p(key 0) = sigmoid(cap * tanh(a / cap))."""
+    cap = 2.0
+    kv_cache = torch.zeros(2, 1, 2, 2, 16)
+    kv_cache[1, 0, 1, 0, 0] = 1.0  # V of key 0 = e0, key 1 = 0: output[0] = p(key 0)
+    table = torch.tensor([[1]], dtype=torch.int32)
+    lens = [torch.tensor([v], dtype=torch.int32) for v in (2, 0, 1)]
+    for a in torch.linspace(-12, 12, 97).tolist():
+        query = torch.zeros(1, 1, 16)
+        query[0, 0, 0] = a
+        kv_cache[0, 0, 1, 0, 0] = 1.0  # q . k0 = a, q . k1 = 0
+        out = torch.empty(1, 16)
+        cpu_paged_decode.paged_decode(query, kv_cache, table, *lens, None, 1.0, cap, out)
+        s = cap * torch.tanh(torch.tensor(a, dtype=torch.float64) / cap)
+        expected = torch.sigmoid(s).item()
+        assert abs(out[0, 0].item() - expected) <= 2e-6 * expected, (a, out[0, 0].item())
+
+
+@needs_kernel
+def test_refuses_bad_rows(decode_isa):
     """A row whose keys run past its block table is refused, not read out of bounds."""
     spec = FullAttentionSpec(4, 2, 32, torch.float32)
     kv_cache = torch.zeros(2, 2, 3, 4, 32)
@@ -158,7 +197,7 @@ def test_refuses_bad_rows():
 
 
 @needs_kernel
-def test_engine_decodes_in_place_and_matches_sdpa(tiny_decoder_llm, monkeypatch):
+def test_engine_decodes_in_place_and_matches_sdpa(decode_isa, tiny_decoder_llm, monkeypatch):
     """The runner hands decodes to the kernel where it runs (a sliding-window + full model),
     and greedy tokens equal those of the SDPA buckets (in_place_decode_len 0)."""
     from tidepool import SamplingParams
