@@ -34,7 +34,9 @@ NUM_HEADS = 4
 DECODE_CONTEXTS = [0, 1, 3, 4, 5, 15, 16, 17, 33, 70]
 
 
-def _step(spec, context_lens, query_lens, in_place: bool, softcap, dtype=torch.float32):
+def _step(
+    spec, context_lens, query_lens, in_place: bool, softcap, dtype=torch.float32, max_len=None
+):
     """One step's attention output over a cache holding the contexts' K/V (as earlier steps
     would have written it); blocks handed out in a shuffled order, so rows do not read
     neighbouring blocks by accident."""
@@ -63,7 +65,7 @@ def _step(spec, context_lens, query_lens, in_place: bool, softcap, dtype=torch.f
     rows = split_rows(context_lens, query_lens)
     decode_rows = []
     if in_place:
-        rows, decode_rows = split_decode_rows(rows, cpu_paged_decode.MAX_QUERY_LEN)
+        rows, decode_rows = split_decode_rows(rows, max_len or cpu_paged_decode.MAX_QUERY_LEN)
         assert decode_rows
     spans = plan_buckets(rows, block_size, kv_heads, 0.25)
     meta = build_group_metadata(
@@ -89,9 +91,9 @@ def _step(spec, context_lens, query_lens, in_place: bool, softcap, dtype=torch.f
     return paged_attention(query, key, value, kv_cache, meta, head_size**-0.5, softcap)
 
 
-def _compare(spec, context_lens, query_lens, softcap, dtype=torch.float32):
+def _compare(spec, context_lens, query_lens, softcap, dtype=torch.float32, max_len=None):
     expected = _step(spec, context_lens, query_lens, False, softcap, dtype)
-    actual = _step(spec, context_lens, query_lens, True, softcap, dtype)
+    actual = _step(spec, context_lens, query_lens, True, softcap, dtype, max_len)
     assert (expected[0] - expected[-1]).abs().max() > 1e-2  # rows differ: a mix-up would show
     max_keys = max(c + q for c, q in zip(context_lens, query_lens, strict=True))
     if dtype == torch.float32:
@@ -158,6 +160,31 @@ def test_gemma2_benchmark_shape(decode_isa, window):
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16], ids=lambda b: f"block{b}")
+@pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
+@pytest.mark.parametrize("softcap", [None, 50.0], ids=["nocap", "softcap"])
+def test_long_rows_match_sdpa(decode_isa, head_size, block_size, window, softcap):
+    """The kernel's GEMM-shaped path (rows of >= 8 queries, heads of 64k): prompt chunks after a
+    context and tiles of long prompts (8-512 queries: one query tile, several, a partial last
+    one), windows shorter and longer than a tile, contexts ending inside blocks, beside decodes."""
+    if window is None:
+        spec = FullAttentionSpec(block_size, 2, head_size, torch.float32)
+    else:
+        spec = SlidingWindowSpec(block_size, 2, head_size, torch.float32, window)
+    context_lens = [300, 77, 1, 3, 5, 31]  # from 0 they would be causal rows (SDPA)
+    query_lens = [1, 1, 600, 100, 8, 45]  # 600: tiles of 512 and 88
+    _compare(spec, context_lens, query_lens, softcap, max_len=cpu_paged_decode.LONG_ROW_QUERY_LEN)
+
+
+@needs_kernel
+def test_long_rows_bfloat16(decode_isa):
+    spec = SlidingWindowSpec(16, 2, 64, torch.bfloat16, 20)
+    lens = cpu_paged_decode.LONG_ROW_QUERY_LEN
+    _compare(spec, [70, 2, 3], [1, 60, 33], 5.0, torch.bfloat16, lens)
+
+
+@needs_kernel
 def test_tanh_soft_cap_matches_torch(decode_isa):
     """The kernel's vector tanh (soft-capping) against float64 tanh across both of its branches
     (|x| below and above 0.625) and saturation, read through the output: two keys with scores
@@ -205,7 +232,9 @@ def test_engine_decodes_in_place_and_matches_sdpa(decode_isa, tiny_decoder_llm, 
 
     llm = tiny_decoder_llm("qwen2-hybrid")
     runner = llm.engine.model_runner
-    assert runner.in_place_decode_len == cpu_paged_decode.MAX_QUERY_LEN
+    assert runner.in_place_decode_len == cpu_paged_decode.max_query_len(
+        runner.attention_views[0][1].head_size
+    )
     calls = []
     kernel = paged.cpu_paged_decode.paged_decode
 

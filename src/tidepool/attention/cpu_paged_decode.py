@@ -35,7 +35,18 @@ _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_paged_decode.cp
 _NAMESPACE = "tidepool_paged"
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_QUERY_LEN = 16
-"""Rows of at most this many queries take the kernel; longer ones are GEMM-shaped (SDPA)."""
+"""Rows of at most this many queries take the kernel at any head size."""
+LONG_ROW_QUERY_LEN = 512
+"""Heads of a multiple of 64 floats: rows up to this many queries (paged_metadata's tiles of
+MAX_ROW_QUERY_LEN: prompt chunks, long prompts under a sliding window) take the kernel too, in
+its GEMM-shaped path (keys transposed once per task, query tiles of 32 that read only the keys
+they see): no gather, no mask, Gemma 2's soft-cap inside instead of torch's explicit ops."""
+
+
+def max_query_len(head_size: int) -> int:
+    """The longest row (queries) the kernel takes for heads of `head_size` floats."""
+    return LONG_ROW_QUERY_LEN if head_size % 64 == 0 else MAX_QUERY_LEN
+
 
 _lock = threading.Lock()
 _state: dict[str | None, object] = {}

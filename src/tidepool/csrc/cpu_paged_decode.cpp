@@ -228,6 +228,144 @@ void attend_task(const Args& a, const T* query, const T* cache, const int32_t* t
     }
 }
 
+// ---------------------------------------------------------------- rows of many queries
+//
+// A row of many queries (a prompt chunk) is GEMM-shaped: its keys are transposed once per task
+// into chunks of kW keys, Kt [chunk][D][kW] (float32), so that scores come out kW keys per vector
+// with the queries broadcast (kMB query vectors per register block, no horizontal sums); P . V
+// runs 4 query vectors x 4 vectors of D per register block. Queries go in tiles of kQueryTile:
+// each tile's scores span only the keys some query of it sees (its window, the causal end), so
+// a sliding-window layer reads W + kQueryTile keys per tile, not the whole row. Heads must be a
+// multiple of 4 * kW floats (64 / 128 / 256); others take attend_task.
+
+constexpr int64_t kQueryTile = 32;
+constexpr int64_t kMB = 8;
+constexpr int64_t kLongMinQueries = 8;  // rows of at least this many queries take attend_long
+
+struct LongScratch {
+  std::vector<float> kt, q, s, inv_sum;
+  std::vector<int64_t> offset;  // element offset of key j's row in the K plane (V: + plane)
+};
+
+template <typename T>
+void transpose_keys(const T* k_head, const int64_t* offset, int64_t N, int64_t D, float* kt) {
+  for (int64_t c = 0; c * kW < N; ++c) {
+    const int64_t cnt = std::min<int64_t>(kW, N - c * kW);
+    for (int64_t dd = 0; dd < D; dd += kW) {
+      vf r[kW];
+      for (int64_t j = 0; j < kW; ++j) r[j] = j < cnt ? vload(k_head + offset[c * kW + j] + dd) : vzero();
+      transpose(r);
+      for (int64_t i = 0; i < kW; ++i) vstoreu(kt + (c * D + dd + i) * kW, r[i]);
+    }
+  }
+}
+
+// s[m * ld + c * kW + j] = q_m . key (chunk c, lane j) for m < M, chunks [0, C) of kt.
+inline void tile_scores(const float* q, const float* kt, int64_t M, int64_t C, int64_t D,
+                        float* s, int64_t ld) {
+  for (int64_t c = 0; c < C; ++c) {
+    const float* ktc = kt + c * D * kW;
+    int64_t m = 0;
+    for (; m + kMB <= M; m += kMB) {
+      vf acc[kMB];
+      for (int64_t r = 0; r < kMB; ++r) acc[r] = vzero();
+      const float* qm = q + m * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const vf k = vloadu(ktc + d * kW);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < kMB; ++r) acc[r] = vfmadd(vset1(qm[r * D + d]), k, acc[r]);
+      }
+      for (int64_t r = 0; r < kMB; ++r) vstoreu(s + (m + r) * ld + c * kW, acc[r]);
+    }
+    for (; m < M; ++m) {
+      vf acc = vzero();
+      for (int64_t d = 0; d < D; ++d) acc = vfmadd(vset1(q[m * D + d]), vloadu(ktc + d * kW), acc);
+      vstoreu(s + m * ld + c * kW, acc);
+    }
+  }
+}
+
+// out row of query vector m (of M) = inv_sum[m] * sum_{j in [j0, j1)} p[m, j] V_j, with V_j at
+// v_head + offset[j]; 4 query vectors x 4 vectors of D per register block.
+template <typename T>
+void tile_values(const float* p, int64_t ld, const float* inv_sum, int64_t M, int64_t j0,
+                 int64_t j1, const T* v_head, const int64_t* offset, int64_t D,
+                 T* const* out_rows) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const float* pr[4];
+    for (int64_t r = 0; r < 4; ++r) pr[r] = p + std::min(m + r, M - 1) * ld;  // repeats: unused
+    for (int64_t dv = 0; dv < D; dv += 4 * kW) {
+      vf acc[4][4];
+      for (int64_t r = 0; r < 4; ++r)
+        for (int64_t x = 0; x < 4; ++x) acc[r][x] = vzero();
+      for (int64_t j = j0; j < j1; ++j) {
+        const T* v = v_head + offset[j] + dv;
+        const vf v0 = vload(v), v1 = vload(v + kW), v2 = vload(v + 2 * kW), v3 = vload(v + 3 * kW);
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < 4; ++r) {
+          const vf pp = vset1(pr[r][j]);
+          acc[r][0] = vfmadd(pp, v0, acc[r][0]);
+          acc[r][1] = vfmadd(pp, v1, acc[r][1]);
+          acc[r][2] = vfmadd(pp, v2, acc[r][2]);
+          acc[r][3] = vfmadd(pp, v3, acc[r][3]);
+        }
+      }
+      for (int64_t r = 0; r < 4 && m + r < M; ++r) {
+        const vf mul = vset1(inv_sum[m + r]);
+        for (int64_t x = 0; x < 4; ++x) vstore(out_rows[m + r] + dv + x * kW, vmul(acc[r][x], mul));
+      }
+    }
+  }
+}
+
+// Row r, KV head h, as attend_task, for rows of many queries (D a multiple of 4 * kW).
+template <typename T>
+void attend_long(const Args& a, const T* query, const T* cache, const int32_t* table,
+                 int64_t seq_len, int64_t q_start, int64_t qlen, int64_t h, T* out,
+                 int64_t out_stride, LongScratch& buf) {
+  const int64_t D = a.D, G = a.G, BS = a.block_size, W = a.window;
+  const int64_t first_pos = seq_len - qlen;
+  const int64_t lo = W > 0 ? std::max<int64_t>(first_pos - W + 1, 0) : 0;
+  const int64_t N = seq_len - lo, C = (N + kW - 1) / kW;
+  buf.offset.resize(C * kW);
+  for (int64_t j = 0; j < N; ++j) {
+    const int64_t key = lo + j;
+    buf.offset[j] = ((static_cast<int64_t>(table[key / BS]) * BS) + key % BS) * D;
+  }
+  for (int64_t j = N; j < C * kW; ++j) buf.offset[j] = 0;  // never read (lanes past N are 0)
+  const T* k_head = cache + h * a.num_blocks * BS * D;
+  const T* v_head = k_head + a.Hkv * a.num_blocks * BS * D;
+  buf.kt.resize(C * D * kW);
+  transpose_keys(k_head, buf.offset.data(), N, D, buf.kt.data());
+  std::vector<T*> out_rows(G * kQueryTile);
+  for (int64_t t0 = 0; t0 < qlen; t0 += kQueryTile) {
+    const int64_t qt = std::min(kQueryTile, qlen - t0), M = G * qt;
+    const int64_t p0 = first_pos + t0;  // the tile's first query position
+    // Keys the tile sees, [klo, khi), from chunk c0 on (keys lo + c0 * kW ...).
+    const int64_t klo = W > 0 ? std::max<int64_t>(p0 - W + 1, 0) : 0, khi = p0 + qt;
+    const int64_t c0 = (klo - lo) / kW, c1 = (khi - lo + kW - 1) / kW;
+    const int64_t base = lo + c0 * kW, ld = (c1 - c0) * kW;
+    buf.q.resize(M * D);
+    buf.s.resize(M * ld);
+    buf.inv_sum.resize(M);
+    for (int64_t i = 0; i < qt; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = query + (q_start + t0 + i) * a.q_stride_t + (h * G + g) * a.q_stride_h;
+        float* dst = buf.q.data() + (i * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * a.scale;
+        out_rows[i * G + g] = out + (q_start + t0 + i) * out_stride + (h * G + g) * D;
+      }
+    tile_scores(buf.q.data(), buf.kt.data() + c0 * D * kW, M, c1 - c0, D, buf.s.data(), ld);
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t pos = p0 + m / G;
+      const int64_t begin = (W > 0 ? std::max<int64_t>(pos - W + 1, 0) : 0) - base;
+      buf.inv_sum[m] = softmax_row(buf.s.data() + m * ld, begin, pos + 1 - base, ld, a.cap);
+    }
+    tile_values(buf.s.data(), ld, buf.inv_sum.data(), M, klo - base, khi - base, v_head,
+                buf.offset.data() + c0 * kW, D, out_rows.data());
+  }
+}
+
 template <typename T>
 void run(const Args& a, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_table, const int32_t* seq_lens, const int32_t* q_starts,
@@ -237,12 +375,18 @@ void run(const Args& a, const at::Tensor& query, const at::Tensor& kv_cache,
   const int32_t* tp = block_table.data_ptr<int32_t>();
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t out_stride = out.stride(0), Hkv = a.Hkv;
+  const bool long_rows = a.D % (4 * kW) == 0;
   at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
     Scratch buf;
+    LongScratch long_buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / Hkv, h = task % Hkv;
-      attend_task<T>(a, qp, cp, tp + r * a.table_width, seq_lens[r], q_starts[r], q_lens[r], h,
-                     op, out_stride, buf);
+      if (long_rows && q_lens[r] >= kLongMinQueries)
+        attend_long<T>(a, qp, cp, tp + r * a.table_width, seq_lens[r], q_starts[r], q_lens[r],
+                       h, op, out_stride, long_buf);
+      else
+        attend_task<T>(a, qp, cp, tp + r * a.table_width, seq_lens[r], q_starts[r], q_lens[r],
+                       h, op, out_stride, buf);
     }
   });
 }
