@@ -53,6 +53,14 @@ class TokenClock:
         }
 
 
+def kv_bytes(args) -> dict:
+    """The KV-cache budget in bytes where --kv-cache-memory-bytes gives one (both engines take
+    `kv_cache_memory_bytes`; vLLM's CPU worker uses it instead of VLLM_CPU_KVCACHE_SPACE)."""
+    return (
+        {"kv_cache_memory_bytes": args.kv_cache_memory_bytes} if args.kv_cache_memory_bytes else {}
+    )
+
+
 class Tidepool:
     def __init__(self, args) -> None:
         import tidepool  # noqa: F401  (OpenMP defaults before torch)
@@ -65,6 +73,7 @@ class Tidepool:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            **kv_bytes(args),
         )
         self.params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
         self.clock = TokenClock()
@@ -112,6 +121,7 @@ class VLLM:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=0,
+            **kv_bytes(args),
         )
         self.params = vllm.SamplingParams(
             temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True
@@ -155,6 +165,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     args = parser.parse_args()
     with open(args.prompts) as f:
         prompts = json.load(f)
