@@ -9,8 +9,9 @@ imports only the standard library at module level, then the engine's library onc
 
 prompts.json: a list of token-id lists. Greedy, EOS ignored, prefix caching off, float32. Each
 {"cmd": "run"} line generates for every prompt and answers one JSON line: wall seconds, the
-output tokens, time to first token and inter-token latencies (p50 / p99), and the outputs'
-token ids; {"cmd": "quit"} ends. Token times are taken where the engine core hands a step's new
+output tokens, CPU seconds (the process and its children: on a shared machine the engines'
+shares of the cores differ), time to first token and inter-token latencies (p50 / p99), and the
+outputs' token ids; {"cmd": "quit"} ends. Token times are taken where the engine core hands a step's new
 tokens to output processing (tidepool: the scheduler's update; vLLM: its output processor's
 process_outputs), the same point in both engines' step, before detokenization.
 """
@@ -30,6 +31,23 @@ def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
     return ordered[index]
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its live descendants (vLLM's engine core
+    is a child process), from /proc; 0 where /proc cannot be read."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(_tree_cpu_seconds(int(c)) for c in f.read().split())
+    except (OSError, ValueError, IndexError):
+        pass
+    return total
 
 
 class TokenClock:
@@ -180,11 +198,13 @@ def main() -> None:
         if cmd["cmd"] == "quit":
             break
         engine.clock.times.clear()
+        cpu_start = _tree_cpu_seconds(os.getpid())
         start = time.perf_counter()
         outputs = engine.generate(prompts)
         seconds = time.perf_counter() - start
         result = {
             "seconds": seconds,
+            "cpu_seconds": _tree_cpu_seconds(os.getpid()) - cpu_start,
             "tokens": sum(len(o) for o in outputs),
             **engine.clock.summary(start),
             "outputs": outputs,
