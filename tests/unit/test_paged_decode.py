@@ -252,3 +252,61 @@ def test_engine_decodes_in_place_and_matches_sdpa(decode_isa, tiny_decoder_llm, 
     sdpa = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls
     assert in_place == sdpa
+
+
+@needs_kernel
+def test_engine_long_rows_in_place_match_sdpa(decode_isa, tmp_path, monkeypatch):
+    """A Gemma 2 with heads of 64 (window 16, soft-cap): prompts longer than the window and
+        prefill chunks after a context are non-causal rows of many queries, which the runner hands
+        to the kernel's GEMM-shaped path; greedy tokens equal those of the SDPA buckets and of
+    transformers' eager Gemma 2."""
+    import transformers
+    from tiny_decoders import save_tokenizer
+
+    from tidepool import LLM, SamplingParams
+    from tidepool.attention import paged
+
+    vocab = save_tokenizer(tmp_path)
+    config = transformers.Gemma2Config(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=16,
+        query_pre_attn_scalar=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )  # fmt: skip
+    config._attn_implementation = "eager"  # soft-capping needs it (tests/models/test_gemma.py)
+    torch.manual_seed(5)
+    hf = transformers.Gemma2ForCausalLM(config).eval()
+    hf.save_pretrained(str(tmp_path))
+    llm = LLM(
+        str(tmp_path), device="cpu", dtype="float32", long_prefill_token_threshold=48,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    runner = llm.engine.model_runner
+    assert runner.in_place_decode_len == cpu_paged_decode.LONG_ROW_QUERY_LEN
+    query_lens: list[int] = []
+    kernel = paged.cpu_paged_decode.paged_decode
+
+    def counted(*args):
+        query_lens.extend(args[5].tolist())
+        return kernel(*args)
+
+    monkeypatch.setattr(paged.cpu_paged_decode, "paged_decode", counted)
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        {"prompt_token_ids": torch.randint(5, vocab, (n,), generator=g).tolist()}
+        for n in (130, 40, 75, 9)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    in_place = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert max(query_lens) >= 40  # long rows took the kernel
+    monkeypatch.setattr(runner, "in_place_decode_len", 0)
+    query_lens.clear()
+    sdpa = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert not query_lens
+    assert in_place == sdpa
+    for prompt, tokens in zip(prompts, in_place, strict=True):
+        ids = torch.tensor([prompt["prompt_token_ids"]])
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert out[0, ids.shape[1] :].tolist() == list(tokens)
