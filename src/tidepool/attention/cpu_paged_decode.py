@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,18 +50,18 @@ def max_query_len(head_size: int) -> int:
 
 
 _lock = threading.Lock()
-_state: dict[str | None, object] = {}
-_chosen: dict[str | None, object] = {}
+_state: dict[str | None, Any] = {}
+_chosen: dict[str | None, Any] = {}
 """TIDEPOOL_CPU_ISA's cap → the op it chooses (load() runs per layer and step: one lookup)."""
 
 
-def _compile(isa: str) -> object:
+def _compile(isa: str) -> Any:
     flags = cpu_kernels.isa_cflags(isa, _NAMESPACE)
     cpu_kernels.build_extension(_SOURCE, f"tidepool_paged_decode_{isa}", flags)
     return getattr(torch.ops, cpu_kernels.namespace(_NAMESPACE, isa)).paged_decode
 
 
-def load(isa: str | None = None) -> object | None:
+def load(isa: str | None = None) -> Any | None:
     """The `paged_decode` op of the chosen build (cpu_kernels.chosen_isa: the best the CPU and
     TIDEPOOL_CPU_ISA allow) or of `isa`'s (tests: any build the CPU runs, whatever the cap),
     built and loaded on first call; None where it cannot run."""
