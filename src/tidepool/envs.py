@@ -103,12 +103,25 @@ def apply_openmp_defaults() -> bool:
     text: p50 450-520 ms with spinning vs 32-58 ms passive (2 threads), and large GEMMs were no
     slower. OpenMP reads the variable when torch loads, so this must run before `import torch`.
     """
+    global _OPENMP_DEFAULTS_MISSED
     if "torch" in sys.modules:
+        _OPENMP_DEFAULTS_MISSED = "OMP_WAIT_POLICY" not in os.environ
         return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
     return os.environ["OMP_WAIT_POLICY"].upper() == "PASSIVE"
+
+
+_OPENMP_DEFAULTS_MISSED = False
+
+
+def openmp_defaults_missed() -> bool:
+    """Whether torch (so libgomp) loaded before tidepool with no OMP_WAIT_POLICY set: OpenMP then
+    keeps libgomp's own spinning wait, which tidepool cannot change any more (libgomp reads its
+    variables once, when it loads). The engine warns once (engine/llm_engine.py): on a shared
+    machine that wait cost 3x in int8 throughput (docs/performance.md, "Under contention")."""
+    return _OPENMP_DEFAULTS_MISSED
 
 
 SPIN_COUNT = 10_000
