@@ -36,6 +36,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -81,7 +82,7 @@ def isa_cflags(isa: str, base_namespace: str) -> list[str]:
 
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, Any] = {}
 
 
 def _put_ninja_on_path() -> None:
@@ -106,8 +107,9 @@ def build_extension(source: Path, prefix: str, cflags: list[str]) -> None:
     _put_ninja_on_path()
     # The headers beside the source (csrc/*.h) are part of every build's name too.
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode())
-    digest = digest.hexdigest()[:12]
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode()).hexdigest()[
+        :12
+    ]
     load(
         name=f"{prefix}_{digest}",
         sources=[str(source)],
@@ -120,7 +122,7 @@ def build_extension(source: Path, prefix: str, cflags: list[str]) -> None:
     )
 
 
-def _compile(isa: str) -> object:
+def _compile(isa: str) -> Any:
     flags = [*isa_cflags(isa, _NAMESPACE), f"-DTIDEPOOL_MAX_SEQ_LEN={MAX_SEQ_LEN}"]
     build_extension(_SOURCE, f"tidepool_cpu_ops_{isa}", flags)
     return getattr(torch.ops, namespace(_NAMESPACE, isa))
@@ -128,7 +130,7 @@ def _compile(isa: str) -> object:
 
 def build_or_fall_back(
     compile_fn, source_name: str, what: str, fallback: str, isa: str | None
-) -> object | None:
+) -> Any | None:
     """`compile_fn(isa)` where TIDEPOOL_CPU_ATTENTION allows it and `isa` (a build, chosen by
     the caller with cpu_features.best) is not None, else None with one warning line (`what` is
     off, `fallback` runs instead); `=native` makes a failed build an error. Shared by the
@@ -148,7 +150,7 @@ def build_or_fall_back(
     return None
 
 
-def load_isa(isa: str) -> object | None:
+def load_isa(isa: str) -> Any | None:
     """The op namespace of `isa`'s build (BUILD_ISAS), built and loaded on first call, whatever
     TIDEPOOL_CPU_ISA says (tests run each build the CPU can); None where it cannot run."""
     if isa not in _state:
