@@ -119,7 +119,7 @@ def openmp_defaults_missed() -> bool:
     """Whether torch (so libgomp) loaded before tidepool with no OMP_WAIT_POLICY set: OpenMP then
     keeps libgomp's own spinning wait, which tidepool cannot change any more (libgomp reads its
     variables once, when it loads). The engine warns once (engine/llm_engine.py): on a shared
-    machine that wait cost 3x in int8 throughput (docs/performance.md, "Under contention")."""
+    machine that wait is several times slower (docs/performance.md, "Under contention")."""
     return _OPENMP_DEFAULTS_MISSED
 
 

@@ -27,11 +27,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_dtype: Any)
     what the GPU supports.
 
     The CPU rule per kind (docs/performance.md, "dtype="auto" per CPU kind"): float32 matches
-    the reference to 1e-6 where bfloat16 gives cosine ~0.9999, so bfloat16 stays opt-in even
-    where it is fast: with AMX-bf16 (oneDNN's bf16 GEMM ~4x float32) and with avx512_bf16
-    without AMX (AMD Zen 4 / 5: oneDNN's avx512_core_bf16 GEMM ~2x float32, the attention
-    products on vdpbf16ps); without either, oneDNN converts bfloat16 to float32 and it gains
-    nothing."""
+    the reference more closely than bfloat16 can, so bfloat16 stays opt-in even where it is
+    fast: with AMX-bf16 and with avx512_bf16 without AMX (AMD Zen 4 / 5: oneDNN's
+    avx512_core_bf16 GEMM, the attention products on vdpbf16ps); without either, oneDNN
+    converts bfloat16 to float32 and it is slower than float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
