@@ -1,9 +1,10 @@
 """Throughput with one core taken by another process, against the same engine quiet (issue 27).
 
-For each OpenMP policy (--policies; each in a fresh process, since OpenMP reads its variables
-when torch loads), one `LLM` embeds the corpus' first --texts texts in rounds; each round runs
-one pass quiet and one pass with a busy-loop process pinned to CPU 0 (the order alternating by
-round), so both regimes see the same background. Prints each pass's tokens/s, each regime's
+For each OpenMP policy (--policies) a process of its own (OpenMP reads its variables when
+torch loads) holds one `LLM` over the corpus' first --texts texts; the parent runs passes in
+rounds, each round every policy quiet and every policy with a busy-loop process pinned to CPU 0
+(the policies interleaved pass by pass, the orders alternating by round), so the regimes and the
+policies see the same background. Prints each pass's tokens/s, each regime's
 median, and the median of the per-round ratios busy / quiet: a lost core alone explains 0.5x on
 2 cores; OpenMP threads waiting on a descheduled peer show as far less.
 
@@ -75,25 +76,51 @@ def child(args: argparse.Namespace) -> None:
         return num_tokens / (time.perf_counter() - start)
 
     llm.embed(texts[:64], truncate_prompt_tokens=-1, use_tqdm=False)  # warm-up
-    rows = []
-    for r in range(args.rounds):
-        order = ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet")
-        got = {}
-        for regime in order:
-            burner = None
-            if regime == "busy":
-                burner = subprocess.Popen([sys.executable, "-c", _BURN])
-                time.sleep(0.5)
-            try:
-                got[regime] = one_pass()
-            finally:
-                if burner is not None:
-                    burner.kill()
-                    burner.wait()
-            got[f"load_{regime}"] = os.getloadavg()[0]
-        rows.append(got)
-        print(json.dumps(got), file=sys.stderr, flush=True)
-    print(json.dumps({"threads": torch.get_num_threads(), "tokens": num_tokens, "rounds": rows}))
+    print(json.dumps({"threads": torch.get_num_threads(), "tokens": num_tokens}), flush=True)
+    while sys.stdin.readline():  # one pass per line; the parent starts and stops the burner
+        rate = one_pass()
+        print(json.dumps({"rate": rate, "load": os.getloadavg()[0]}), flush=True)
+
+
+def start_children(args: argparse.Namespace, policies: list[str]) -> dict[str, subprocess.Popen]:
+    """One child per policy, loaded one after another (loading in parallel would slow each)."""
+    children = {}
+    for policy in policies:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model]
+        cmd += ["--dtype", args.dtype, "--texts", str(args.texts)]
+        if args.quantization:
+            cmd += ["--quantization", args.quantization]
+        proc = subprocess.Popen(
+            cmd, env=policy_env(policy), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None
+        children[policy] = proc
+        children[policy].info = _reply(proc)  # type: ignore[attr-defined]
+    return children
+
+
+def _reply(proc: subprocess.Popen) -> dict:
+    """The child's next JSON line (anything else it printed is skipped)."""
+    assert proc.stdout is not None
+    for line in iter(proc.stdout.readline, ""):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise SystemExit(f"a child exited (rc={proc.wait()})")
+
+
+def one_pass(proc: subprocess.Popen, busy: bool) -> dict:
+    burner = subprocess.Popen([sys.executable, "-c", _BURN]) if busy else None
+    try:
+        if burner is not None:
+            time.sleep(0.5)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("pass\n")
+        proc.stdin.flush()
+        return _reply(proc)
+    finally:
+        if burner is not None:
+            burner.kill()
+            burner.wait()
 
 
 def main() -> None:
@@ -117,29 +144,30 @@ def main() -> None:
     print(
         f"{args.model} {mode}, {args.texts} texts, {args.rounds} rounds (quiet / busy alternating)"
     )
+    policies = args.policies.split(",")
+    children = start_children(args, policies)
+    rows: dict[str, list[dict]] = {p: [] for p in policies}
+    for r in range(args.rounds):
+        # Policies interleaved pass by pass, so every policy sees the same background; the
+        # regimes' order alternates by round.
+        for regime in ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet"):
+            for policy in policies if r % 2 == 0 else reversed(policies):
+                got = one_pass(children[policy], regime == "busy")
+                rows[policy].append({"round": r, "regime": regime, **got})
+                print(f"round {r} {policy:>9} {regime:>5}: {got['rate']:8,.0f} tok/s "
+                      f"(load {got['load']:.1f})", flush=True)  # fmt: skip
+    for proc in children.values():
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait()
     summary = []
-    for policy in args.policies.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model]
-        cmd += ["--dtype", args.dtype, "--texts", str(args.texts), "--rounds", str(args.rounds)]
-        if args.quantization:
-            cmd += ["--quantization", args.quantization]
-        out = subprocess.run(cmd, env=policy_env(policy), capture_output=True, text=True)
-        if out.returncode != 0:
-            print(f"{policy}: failed\n{out.stderr[-2000:]}")
-            continue
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        rounds = result["rounds"]
-        quiet = statistics.median(r["quiet"] for r in rounds)
-        busy = statistics.median(r["busy"] for r in rounds)
-        ratio = statistics.median(r["busy"] / r["quiet"] for r in rounds)
-        passes = " ".join(f"{r['quiet']:,.0f}/{r['busy']:,.0f}" for r in rounds)
-        loads = " ".join(f"{r['load_quiet']:.1f}/{r['load_busy']:.1f}" for r in rounds)
-        print(
-            f"{policy:>9} ({result['threads']} threads): quiet {quiet:9,.0f} tok/s, busy "
-            f"{busy:9,.0f} tok/s, busy/quiet {ratio:.2f}x  [passes quiet/busy: {passes}; "
-            f"load {loads}]",
-            flush=True,
-        )
+    for policy in policies:
+        by = {(x["round"], x["regime"]): x["rate"] for x in rows[policy]}
+        quiet = statistics.median(by[(r, "quiet")] for r in range(args.rounds))
+        busy = statistics.median(by[(r, "busy")] for r in range(args.rounds))
+        ratio = statistics.median(by[(r, "busy")] / by[(r, "quiet")] for r in range(args.rounds))
+        threads = children[policy].info["threads"]  # type: ignore[attr-defined]
+        print(f"{policy:>9} ({threads} threads): quiet {quiet:9,.0f} tok/s, busy {busy:9,.0f} "
+              f"tok/s, busy/quiet {ratio:.2f}x")  # fmt: skip
         summary.append({"policy": policy, "quiet": quiet, "busy": busy, "ratio": ratio})
     print(json.dumps(summary))
 

@@ -103,7 +103,9 @@ def apply_openmp_defaults() -> bool:
     region pays a scheduler time slice; large GEMMs are no slower passive (docs/performance.md,
     "Choices in the encoder path"). OpenMP reads the variable when torch loads, so this must run before `import torch`.
     """
+    global _OPENMP_DEFAULTS_MISSED
     if "torch" in sys.modules:
+        _OPENMP_DEFAULTS_MISSED = "OMP_WAIT_POLICY" not in os.environ
         return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -111,13 +113,24 @@ def apply_openmp_defaults() -> bool:
     return os.environ["OMP_WAIT_POLICY"].upper() == "PASSIVE"
 
 
-SPIN_COUNT = 10_000
+_OPENMP_DEFAULTS_MISSED = False
+
+
+def openmp_defaults_missed() -> bool:
+    """Whether torch (so libgomp) loaded before tidepool with no OMP_WAIT_POLICY set: OpenMP then
+    keeps libgomp's own spinning wait, which tidepool cannot change any more (libgomp reads its
+    variables once, when it loads). The engine warns once (engine/llm_engine.py): on a shared
+    machine that wait is several times slower (docs/performance.md, "Under contention")."""
+    return _OPENMP_DEFAULTS_MISSED
+
+
+SPIN_COUNT = 1_000
 """GOMP_SPINCOUNT set with tidepool's PASSIVE default: a thread at a barrier spins this many
-rounds (microseconds) before it sleeps. Measured on the 2-core machine, 1,000 texts, alternating
-in separate processes: quiet, int8 MiniLM 27.5k → 32.4k tokens/s (+18%; libgomp's own default
-spin, `OMP_WAIT_POLICY=ACTIVE`, 32.9k), bfloat16 +9%; with three CPU burners beside it int8 lost
-10% and the 32-token p50 was unchanged, where libgomp's unbounded default cost 10x in p50 (the
-docstring above)."""
+rounds before it sleeps. Chosen on the shared (loaded) 2-core machine with
+benchmarks/contention.py, the policies interleaved pass by pass: 1,000 rounds kept more of the
+throughput than the 10,000 before it, quiet and with a core taken; 0 was faster still there,
+but a short spin saves the wake-up between the short ops of a quiet machine
+(docs/performance.md, "Under contention")."""
 
 
 def onednn_cache_capacity() -> int | str:

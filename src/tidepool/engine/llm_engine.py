@@ -31,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from tidepool import envs
 from tidepool.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidepool.core.outputs import EngineCoreOutput, PoolingCoreOutput
 from tidepool.engine.engine_core import EngineCore, StepFailedError
@@ -87,10 +88,25 @@ class StepRecord:
     """The step raised; its requests' callers were failed."""
 
 
+_warned_openmp = False
+
+
+def _warn_openmp() -> None:
+    global _warned_openmp
+    _warned_openmp = True
+    logger.warning(
+        "torch was imported before tidepool and OMP_WAIT_POLICY is unset, so OpenMP keeps "
+        "libgomp's spinning wait: on a shared or busy machine throughput can fall several-fold. "
+        "Import tidepool first, or set OMP_WAIT_POLICY=PASSIVE (tidepool's default)"
+    )
+
+
 def apply_num_threads(num_threads: int | None) -> None:
     """torch's intra-op threads: `num_threads`, else the cores this process may run on (torch's
     own default counts the machine's cores, which oversubscribes a process pinned to fewer, e.g.
     in a container). Applied when an engine starts, never while building its configuration."""
+    if envs.openmp_defaults_missed() and not _warned_openmp:
+        _warn_openmp()
     if num_threads is None and hasattr(os, "sched_getaffinity"):
         num_threads = min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
     if num_threads is not None and num_threads != torch.get_num_threads():

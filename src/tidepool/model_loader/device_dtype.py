@@ -23,8 +23,14 @@ def checkpoint_dtype(hf_config: Any) -> Any:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_dtype: Any) -> torch.dtype:
-    """The user's dtype; "auto": float32 on CPU, else the checkpoint's half type or what the GPU
-    supports."""
+    """The user's dtype; "auto": float32 on every CPU kind, else the checkpoint's half type or
+    what the GPU supports.
+
+    The CPU rule per kind (docs/performance.md, "dtype="auto" per CPU kind"): float32 matches
+    the reference more closely than bfloat16 can, so bfloat16 stays opt-in even where it is
+    fast: with AMX-bf16 and with avx512_bf16 without AMX (AMD Zen 4 / 5: oneDNN's
+    avx512_core_bf16 GEMM, the attention products on vdpbf16ps); without either, oneDNN
+    converts bfloat16 to float32 and it is slower than float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
