@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -171,6 +172,16 @@ class PoolingParams:
         return replace(self, task=task)
 
 
+class RequestOutputKind(enum.Enum):
+    """What a streamed generating request yields per step (vLLM's RequestOutputKind):
+    CUMULATIVE the whole completion so far, DELTA only what is new, FINAL_ONLY the finished
+    completion once. The offline LLM always returns final outputs."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 
@@ -216,12 +227,23 @@ class SamplingParams:
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     """Keep only the last k prompt tokens."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """AsyncLLMEngine.generate's stream: each step's completion so far (CUMULATIVE), the new
+    part (DELTA) or the final output only (FINAL_ONLY); LLM.generate returns final outputs."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(getattr(self.output_kind, "value", -1))
+            except ValueError:
+                raise ValueError(
+                    "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY), "
+                    f"got {self.output_kind!r}"
+                ) from None
         self._check()
 
     def _check(self) -> None:

@@ -29,7 +29,6 @@ _NOT_HERE: dict[str, tuple[bool, str, bool, tuple[Any, ...]]] = {
     "--tool-parser-plugin": (True, "generation has no tool calling", False, ("",)),
     "--tool-server": (True, "generation has no tool calling", False, ()),
     "--log-config-file": (True, "logging is configured by Python's logging module", False, ()),
-    "--enable-prompt-tokens-details": (True, "usage has no prompt token details", True, ()),
     "--enable-server-load-tracking": (
         True,
         "/metrics has the load (num_requests_in_flight)",
@@ -57,12 +56,6 @@ _NOT_HERE: dict[str, tuple[bool, str, bool, tuple[Any, ...]]] = {
     "--disable-frontend-multiprocessing": (
         False,
         "the API server and engine share a process",
-        True,
-        (),
-    ),
-    "--trust-request-chat-template": (
-        False,
-        "a request's chat_template is always accepted here (more permissive than vLLM)",
         True,
         (),
     ),
@@ -134,6 +127,18 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="with --enable-log-requests: characters of each body logged (default: none, all)",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a request's own chat_template (chat completions, /tokenize, pooling "
+        "messages); without it such a request is refused (400), as in vLLM",
+    )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="generation usage reports prompt_tokens_details.cached_tokens (the prompt tokens "
+        "read from the prefix cache)",
     )
     for flag in ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"):
         group.add_argument(

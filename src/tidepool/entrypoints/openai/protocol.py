@@ -43,7 +43,12 @@ Str = StrictStr
 Float = Annotated[float, Strict(), AllowInfNan(False)]
 
 
-from tidepool.entrypoints.openai.protocol_vllm import ChatFields, PoolingFields  # noqa: E402
+from tidepool.entrypoints.openai.protocol_vllm import (  # noqa: E402
+    ChatFields,
+    PoolingFields,
+    PromptTokenUsageInfo,
+    ScoringFields,
+)
 
 
 def random_id(prefix: str) -> str:
@@ -197,7 +202,7 @@ class ClassificationResponse(_ListResponse):
 # ---------------------------------------------------------------------- score / rerank
 
 
-class ScoreRequest(PoolingFields):
+class ScoreRequest(PoolingFields, ScoringFields):
     """One pair of fields, as vLLM takes them: `queries` / `documents` or `queries` / `items`
     (vLLM's current bodies), `text_1` / `text_2` or `data_1` / `data_2`."""
 
@@ -225,7 +230,7 @@ class ScoreResponse(_ListResponse):
     data: list[ScoreResponseData]
 
 
-class RerankRequest(PoolingFields):
+class RerankRequest(PoolingFields, ScoringFields):
     model: Str | None = None
     query: Any
     documents: Any
@@ -235,8 +240,6 @@ class RerankRequest(PoolingFields):
     return_documents: Bool = True
     truncate_prompt_tokens: Int | None = None
     activation: Bool | None = None
-    max_tokens_per_doc: Int | None = None
-    """Cohere's: each document is cut to this many tokens before it is scored."""
 
 
 class RerankDocument(OpenAIBaseModel):
@@ -250,6 +253,7 @@ class RerankResult(OpenAIBaseModel):
 
 
 class RerankUsage(OpenAIBaseModel):
+    prompt_tokens: int = 0
     total_tokens: int
 
 
@@ -338,6 +342,8 @@ class GenerationUsage(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+    """With --enable-prompt-tokens-details and a prefix-cache hit (as vLLM reports it)."""
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -432,6 +438,11 @@ class TokenizeRequest(OpenAIBaseModel):
     """Chat messages, rendered with the chat template (a generating model's)."""
     add_special_tokens: Bool = True
     return_token_strs: Bool = False
+    chat_template: Str | None = None
+    """With messages: replaces the tokenizer's (needs --trust-request-chat-template)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
 
 
 class TokenizeResponse(OpenAIBaseModel):
