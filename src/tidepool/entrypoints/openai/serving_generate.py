@@ -64,7 +64,8 @@ class _Usage:
     details: bool = False
     """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (vLLM)."""
     cached: dict[int, int] = field(default_factory=dict)
-    """Prompt index → its tokens read from the prefix cache (each prompt once, whatever n)."""
+    """Prompt index → its tokens read from the prefix cache (each prompt once, whatever n;
+    summed over prompts, where vLLM reports the last prompt's)."""
 
     def note(self, output: RequestOutput, n: int) -> None:
         self.cached[output.outputs[0].index // n] = output.num_cached_tokens or 0
@@ -76,9 +77,7 @@ class _Usage:
             completion_tokens=self.num_completion_tokens,
             total_tokens=self.num_prompt_tokens + self.num_completion_tokens,
             prompt_tokens_details=(
-                p.PromptTokenUsageInfo(cached_tokens=num_cached)
-                if self.details and num_cached
-                else None
+                p.PromptTokenUsageInfo(cached_tokens=num_cached) if self.details else None
             ),
         )
 
