@@ -48,6 +48,7 @@ from tidepool.entrypoints.openai.protocol_vllm import (  # noqa: E402
     PoolingFields,
     PromptTokenUsageInfo,
     ScoringFields,
+    TokenizeChatFields,
 )
 
 
@@ -431,18 +432,13 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 # ---------------------------------------------------------------------- tokenize
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(TokenizeChatFields):
     model: Str | None = None
     prompt: Str | None = None
     messages: list[Any] | None = None
     """Chat messages, rendered with the chat template (a generating model's)."""
     add_special_tokens: Bool = True
     return_token_strs: Bool = False
-    chat_template: Str | None = None
-    """With messages: replaces the tokenizer's (needs --trust-request-chat-template)."""
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: Bool = True
-    continue_final_message: Bool = False
 
 
 class TokenizeResponse(OpenAIBaseModel):

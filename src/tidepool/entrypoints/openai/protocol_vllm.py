@@ -74,6 +74,22 @@ class ScoringFields(_Base):
     """OpenAI's end-user id: accepted with no effect, as in vLLM."""
 
 
+class TokenizeChatFields(_Base):
+    """/tokenize with `messages` (vLLM's TokenizeChatRequest)."""
+
+    chat_template: Str | None = None
+    """Replaces the tokenizer's template (needs --trust-request-chat-template)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    tools: list[Any] | None = None
+    """Refused when not empty (no tool calling)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Refused (text models only)."""
+    media_io_kwargs: dict[str, Any] | None = None
+    """Refused (text models only)."""
+
+
 class PromptTokenUsageInfo(_Base):
     """Generation usage's prompt_tokens_details (--enable-prompt-tokens-details)."""
 

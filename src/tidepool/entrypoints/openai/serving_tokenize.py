@@ -70,6 +70,10 @@ class OpenAIServingTokenization:
 
     async def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
         self.serving.model_name(req.model)
+        for name in ("tools", "mm_processor_kwargs", "media_io_kwargs"):
+            if getattr(req, name):
+                what = "tool calling" if name == "tools" else "multimodal inputs (text models only)"
+                raise ApiError(400, f"{name} is not supported here: there is no {what}", name)
         add_special_tokens = req.add_special_tokens
         prompt = req.prompt
         if req.messages is not None:
