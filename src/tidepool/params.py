@@ -226,7 +226,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
-    """Keep only the last k prompt tokens."""
+    """Keep only the last k prompt tokens (`truncation_side`)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """AsyncLLMEngine.generate's stream: each step's completion so far (CUMULATIVE), the new
     part (DELTA) or the final output only (FINAL_ONLY); LLM.generate returns final outputs."""
@@ -340,6 +340,12 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def truncation_side(self) -> Literal["left"]:
+        """Which end `truncate_prompt_tokens` keeps, read as PoolingParams' field is (one rule,
+        engine/truncation.py's `keep`): always the last tokens, as vLLM's SamplingParams."""
+        return "left"
 
     @property
     def greedy(self) -> bool:
