@@ -185,7 +185,8 @@ class RequestOutput:
     prompt_logprobs: None = None
     """Not computed (always None)."""
     num_cached_tokens: int | None = None
-    """vLLM's prefix-cache hit count; not counted for generation here (None)."""
+    """Prompt tokens read from the prefix cache (vLLM's field): block-aligned, 0 with prefix
+    caching off or no hit."""
     metrics: None = None
     lora_request: None = None
     encoder_prompt: None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -171,6 +172,16 @@ class PoolingParams:
         return replace(self, task=task)
 
 
+class RequestOutputKind(enum.Enum):
+    """What a streamed generating request yields per step (vLLM's RequestOutputKind):
+    CUMULATIVE the whole completion so far, DELTA only what is new, FINAL_ONLY the finished
+    completion once. The offline LLM always returns final outputs."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 
@@ -216,13 +227,77 @@ class SamplingParams:
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     """Keep only the last k prompt tokens (`truncation_side`)."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """AsyncLLMEngine.generate's stream: each step's completion so far (CUMULATIVE), the new
+    part (DELTA) or the final output only (FINAL_ONLY); LLM.generate returns final outputs."""
+    # vLLM's fields tidepool's sampler lacks: accepted at vLLM's defaults, refused otherwise.
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: Any = None
+    extra_args: dict[str, Any] | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprob_start: int | None = None
+    flat_logprobs: bool = False
+    output_text_buffer_length: int = 0
+    repetition_detection: Any = None
+    thinking_token_budget: int | None = None
+    watermarking: Any = None
+    stream_interval: int | None = None
+    skip_reading_prefix_cache: bool = False
+    skip_clone: bool = False
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(getattr(self.output_kind, "value", -1))
+            except ValueError:
+                raise ValueError(
+                    "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY), "
+                    f"got {self.output_kind!r}"
+                ) from None
+        self._refuse_vllm_only()
         self._check()
+
+    def _refuse_vllm_only(self) -> None:
+        """ValueError naming a vLLM field set to something tidepool's sampler does not do."""
+        refused = {
+            "prompt_logprobs": "prompt logprobs",
+            "allowed_token_ids": "allowed-token masks",
+            "bad_words": "bad-word masks",
+            "logit_bias": "logit biases",
+            "structured_outputs": "structured outputs",
+            "extra_args": "sampler plugins (extra_args)",
+            "logprob_token_ids": "logprobs of chosen token ids",
+            "prompt_logprob_token_ids": "prompt logprobs",
+            "prompt_logprob_start": "prompt logprobs",
+            "flat_logprobs": "flat logprobs (logprobs are a list of dicts)",
+            "output_text_buffer_length": "output text buffering",
+            "repetition_detection": "repetition detection",
+            "thinking_token_budget": "thinking budgets (no reasoning parsers)",
+            "watermarking": "watermarking",
+            "stream_interval": "stream intervals (a delta per step that adds text)",
+            "skip_reading_prefix_cache": "a per-request prefix-cache switch",
+            "routed_experts_prompt_start": "mixture-of-experts models",
+            "trace_decode_token_ids": "decode tracing",
+        }
+        for name, what in refused.items():
+            value = getattr(self, name)
+            if value not in (None, False, 0, [], {}) and not (
+                name == "stream_interval" and value == 1
+            ):
+                raise ValueError(
+                    f"SamplingParams.{name}={value!r} is not supported here: tidepool's "
+                    f"sampler has no {what}"
+                )
 
     def _check(self) -> None:
         checks = (

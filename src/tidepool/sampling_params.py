@@ -1,5 +1,6 @@
-"""`vllm.sampling_params`'s path: SamplingParams lives in tidepool/params.py."""
+"""`vllm.sampling_params`'s path: SamplingParams and RequestOutputKind live in
+tidepool/params.py."""
 
-from tidepool.params import SamplingParams
+from tidepool.params import RequestOutputKind, SamplingParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["RequestOutputKind", "SamplingParams"]

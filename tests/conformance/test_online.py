@@ -221,3 +221,58 @@ def test_ping_invocations_and_vllm_metrics(http) -> None:
     ):
         lines = [line for line in metrics.splitlines() if line.startswith(name + "{")]
         assert any('model_name="embed"' in line for line in lines), name
+
+
+def test_max_tokens_per_query_cuts_each_query(http, offline) -> None:
+    tokenizer = offline["rerank"].get_tokenizer()
+    offsets = tokenizer(QUERY, add_special_tokens=False, return_offsets_mapping=True)[
+        "offset_mapping"
+    ]
+    cut_query = QUERY[: offsets[0][1]]
+    got = _post(
+        http,
+        "/score",
+        {"model": "rerank", "queries": QUERY, "documents": DOCS, "max_tokens_per_query": 1},
+    )
+    expected = [o.outputs.score for o in offline["rerank"].score(cut_query, DOCS)]
+    assert [d["score"] for d in got["data"]] == pytest.approx(expected, abs=1e-6)
+    # 0 (vLLM's default) cuts nothing; `user` is OpenAI's end-user id, with no effect
+    whole = _post(
+        http,
+        "/rerank",
+        {"model": "rerank", "query": QUERY, "documents": DOCS, "max_tokens_per_query": 0,
+         "max_tokens_per_doc": 0, "user": "someone"},
+    )  # fmt: skip
+    plain = _post(http, "/rerank", {"model": "rerank", "query": QUERY, "documents": DOCS})
+    assert whole["results"] == plain["results"]
+    assert plain["usage"]["prompt_tokens"] == plain["usage"]["total_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("max_tokens_per_doc", -1, "non-negative"),
+        ("max_tokens_per_query", 10_000, "less than max_model_len"),
+        ("instruction", "Judge relevance", "--score-instruction"),
+        ("chat_template_kwargs", {"instruction": "x"}, "--score-template"),
+    ],
+)
+def test_scoring_fields_refused_with_400_naming_them(http, field: str, value, words: str) -> None:
+    for path, body in (
+        ("/score", {"model": "rerank", "queries": QUERY, "documents": DOCS}),
+        ("/rerank", {"model": "rerank", "query": QUERY, "documents": DOCS}),
+    ):
+        response = http.post(path, json={**body, field: value})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert field in error["message"] or error["param"] == field
+        assert words in error["message"]
+
+
+def test_request_chat_template_on_pooling_needs_the_flag(http) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    for path in ("/v1/embeddings", "/pooling"):
+        body = {"model": "embed", "messages": messages, "chat_template": CHAT_TEMPLATE}
+        response = http.post(path, json=body)
+        assert response.status_code == 400
+        assert "--trust-request-chat-template" in response.json()["error"]["message"]

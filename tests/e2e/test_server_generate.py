@@ -533,7 +533,11 @@ def test_failed_step_inside_a_stream_is_an_error_event(in_process, monkeypatch) 
 
 
 def test_chat_template_missing_or_given(in_process, monkeypatch) -> None:
-    engine, app = in_process
+    from tidepool.entrypoints.openai.server import ServerArgs, build_app
+
+    engine, _ = in_process
+    # A request's own template needs --trust-request-chat-template (vLLM's rule).
+    app = build_app(engine, ServerArgs(trust_request_chat_template=True))
     monkeypatch.setattr(engine.tokenizer, "chat_template", None)
     refused = _post(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4})
     assert refused.status_code == 400

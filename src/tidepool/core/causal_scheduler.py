@@ -161,9 +161,10 @@ class CausalScheduler(Scheduler):
             if new_blocks is None:
                 break  # not enough free blocks: wait for running requests to finish
             self.waiting.popleft()
+            if request.status is not RequestStatus.PREEMPTED:  # vLLM: the first admission's hit
+                request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
             out.restarted_req_ids.add(request.request_id)
             self._add_scheduled(out, request, num_new_tokens, kv.get_block_ids(request.request_id))
@@ -301,7 +302,12 @@ class CausalScheduler(Scheduler):
             self._finish(request, finish_reason, stop_reason)
         logprobs = None if sampled.logprobs is None else [sampled.logprobs]
         return EngineCoreOutput(
-            request.request_id, [sampled.token_id], logprobs, finish_reason, stop_reason
+            request.request_id,
+            [sampled.token_id],
+            logprobs,
+            finish_reason,
+            stop_reason,
+            request.num_cached_tokens,
         )
 
     def _check_stop(self, request: Request) -> tuple[str | None, int | None]:

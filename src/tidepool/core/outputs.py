@@ -27,6 +27,9 @@ class EngineCoreOutput:
     """ "stop" or "length" when this token ended the request; None while it runs."""
     stop_reason: int | str | None = None
     """The stop token id that ended it; None for EOS, length, or while it runs."""
+    num_cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache when the request was admitted (block-aligned;
+    0 with prefix caching off)."""
 
     @property
     def finished(self) -> bool:

@@ -110,6 +110,8 @@ class GenerationStream:
         except asyncio.CancelledError:
             self.abort()
             raise
+        if self._ended:  # aborted while this call waited (abort() woke it)
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self._end()
             raise item
@@ -119,10 +121,12 @@ class GenerationStream:
         return item
 
     def abort(self) -> None:
-        """Abort the unfinished requests in the engine (client gone, or stopped reading)."""
+        """Abort the unfinished requests in the engine (client gone, or stopped reading); an
+        iteration waiting for the next step then ends (StopAsyncIteration)."""
         if not self._ended:
             self._end()
             self._abort()
+            self._group.queue.put_nowait([])  # wakes a waiting __anext__, which sees the end
 
     def _end(self) -> None:
         self._ended = True

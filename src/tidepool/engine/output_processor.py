@@ -154,6 +154,8 @@ class _RequestState:
     start there)."""
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
+    num_cached_tokens: int = 0
+    """The prefix-cache hit the engine core reported (RequestOutput.num_cached_tokens)."""
 
 
 class OutputProcessor:
@@ -209,6 +211,7 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted here already
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            state.num_cached_tokens = out.num_cached_tokens
             state.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and state.logprobs is not None:
                 self._add_logprobs(state, out)
@@ -281,6 +284,7 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=[completion],
             finished=True,
+            num_cached_tokens=state.num_cached_tokens,
         )
 
     @staticmethod
@@ -314,4 +318,5 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=[completion],
             finished=finish_reason is not None,
+            num_cached_tokens=state.num_cached_tokens,
         )

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tidepool.engine.vllm_args_more import more_vllm_args
+
 
 @dataclass(frozen=True)
 class VllmArg:
@@ -258,7 +260,7 @@ _TABLE: tuple[tuple[str, str, str, bool, tuple[Any, ...]], ...] = (
 
 VLLM_ARGS: dict[str, VllmArg] = {
     name: VllmArg(name, policy, reason, switch, (None, False, *unset))
-    for name, policy, reason, switch, unset in _TABLE
+    for name, policy, reason, switch, unset in (*_TABLE, *more_vllm_args())
 }
 """vLLM engine argument name → what it does here (names not in tidepool's EngineArgs)."""
 
@@ -274,6 +276,10 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
 
 
 def is_unset(arg: VllmArg, value: Any) -> bool:
+    """`value` changes nothing: one of arg.unset (an empty list / dict / set counts as the
+    empty tuple when that is one)."""
+    if isinstance(value, (list, dict, set, frozenset)) and not value and () in arg.unset:
+        return True
     return any(value is u or (type(value) is type(u) and value == u) for u in arg.unset) or (
         isinstance(value, (int, float))
         and not isinstance(value, bool)

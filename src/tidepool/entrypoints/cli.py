@@ -118,7 +118,10 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="uvicorn's log level",
     )
     parser.add_argument(
-        "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
+        "--disable-uvicorn-access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="no line per HTTP request",
     )
     add_shared_work_args(parser)
     add_frontend_args(parser)

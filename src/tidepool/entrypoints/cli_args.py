@@ -12,6 +12,7 @@ from typing import Any
 from tidepool.checkpoint.loader import DEFAULT_MODEL
 from tidepool.engine.args import EngineArgs, engine_args_from_vllm
 from tidepool.engine.cli_flags import add_engine_flags, engine_kwargs_of
+from tidepool.entrypoints.frontend_args import FRONTEND_DESTS
 
 logger = logging.getLogger("tidepool")
 
@@ -35,7 +36,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "several models, each on its own engine (default: MODEL)",
     )
     # `serve` has its own --served-model-name (one per model): not vLLM's engine-argument one.
-    add_engine_flags(parser, EngineArgs, include_model=False, skip={"served_model_name"})
+    # serve implements --shutdown-timeout itself (its graceful drain, as vLLM's flag means);
+    # the frontend flags vLLM also has as engine arguments are frontend_args.py's.
+    skip = {"served_model_name", "shutdown_timeout", *FRONTEND_DESTS}
+    add_engine_flags(parser, EngineArgs, include_model=False, skip=skip)
 
 
 def add_hub_args(parser: argparse.ArgumentParser) -> None:

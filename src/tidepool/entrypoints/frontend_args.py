@@ -11,6 +11,8 @@ from typing import Any
 
 logger = logging.getLogger("tidepool")
 
+_ONE_ENGINE = "one engine process per model (no data-parallel supervisor)"
+
 # vLLM frontend flags tidepool does not implement: flag → (refuse?, reason, switch?, unset values)
 _NOT_HERE: dict[str, tuple[bool, str, bool, tuple[Any, ...]]] = {
     "--lora-modules": (True, "tidepool has no LoRA adapters", False, ()),
@@ -29,7 +31,6 @@ _NOT_HERE: dict[str, tuple[bool, str, bool, tuple[Any, ...]]] = {
     "--tool-parser-plugin": (True, "generation has no tool calling", False, ("",)),
     "--tool-server": (True, "generation has no tool calling", False, ()),
     "--log-config-file": (True, "logging is configured by Python's logging module", False, ()),
-    "--enable-prompt-tokens-details": (True, "usage has no prompt token details", True, ()),
     "--enable-server-load-tracking": (
         True,
         "/metrics has the load (num_requests_in_flight)",
@@ -54,19 +55,60 @@ _NOT_HERE: dict[str, tuple[bool, str, bool, tuple[Any, ...]]] = {
     "--uds": (True, "the server listens on TCP only", False, ()),
     "--tokens-only": (True, "the server always takes text", True, ()),
     "--enable-request-id-headers": (True, "responses carry no X-Request-Id header", True, ()),
+    "--anthropic-disabled-thinking-effort": (True, "there is no Anthropic API", False, ("auto",)),
+    "--cohere-format": (True, "there is no Cohere chat API", False, ("cmd4",)),
+    "--cohere-is-reasoning-model": (True, "there is no Cohere chat API", True, (True,)),
+    "--config": (True, "flags are read from the command line only (no YAML file)", False, ()),
+    "--data-parallel-supervisor-port": (True, _ONE_ENGINE, False, (9256,)),
+    "--dp-supervisor-probe-failure-threshold": (True, _ONE_ENGINE, False, (3,)),
+    "--dp-supervisor-probe-interval-s": (True, _ONE_ENGINE, False, (5.0,)),
+    "--dp-supervisor-probe-timeout-s": (True, _ONE_ENGINE, False, (5.0,)),
+    "--default-chat-template-kwargs": (
+        True,
+        "chat templates take their keywords per request (chat_template_kwargs)",
+        False,
+        (),
+    ),
+    "--device-memory-utilization": (
+        True,
+        "the KV cache is sized by --kv-cache-memory-bytes / --kv-cache-memory-fraction",
+        False,
+        (0.92,),
+    ),
+    "--disable-access-log-for-endpoints": (
+        True,
+        "the access log is on or off as a whole (--disable-uvicorn-access-log)",
+        False,
+        (),
+    ),
+    "--enable-log-deltas": (True, "outputs are not logged", True, (True,)),
+    "--enable-offline-docs": (True, "/docs loads its assets as FastAPI serves them", True, ()),
+    "--enable-per-request-metrics": (True, "/metrics has no per-request metrics", True, ()),
+    "--enable-scale-out": (True, "one server process per engine (no scale-out)", True, ()),
+    "--fingerprint-mode": (True, "responses carry no server fingerprint", False, ("full",)),
+    "--fingerprint-value": (True, "responses carry no server fingerprint", False, ()),
+    "--grpc": (True, "the server speaks HTTP only (no gRPC)", True, ()),
+    "--grpc-port": (True, "the server speaks HTTP only (no gRPC)", False, ()),
+    "--sse-keep-alive-interval": (True, "streams send no keep-alive comments", False, (0,)),
+    "--tool-strict-level": (True, "generation has no tool calling", False, ("auto",)),
+    "--trust-request-mm-kwargs": (True, "tidepool serves text models only", True, ()),
+    "--enable-flash-late-interaction": (
+        False,
+        "MaxSim runs whole per pair (no flash late-interaction kernel)",
+        True,
+        (True,),
+    ),
     "--disable-frontend-multiprocessing": (
         False,
         "the API server and engine share a process",
         True,
         (),
     ),
-    "--trust-request-chat-template": (
-        False,
-        "a request's chat_template is always accepted here (more permissive than vLLM)",
-        True,
-        (),
-    ),
 }
+
+
+FRONTEND_DESTS = frozenset(flag.lstrip("-").replace("-", "_") for flag in _NOT_HERE)
+"""The refused / warned frontend flags' names (vLLM has some as engine arguments too)."""
 
 
 def _json_list(value: str) -> list[str]:
@@ -100,7 +142,10 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="CORS: origins allowed, a JSON list (e.g. '[\"*\"]'); default: none, no CORS "
         "headers are sent (vLLM allows every origin by default)",
     )
-    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    switch = argparse.BooleanOptionalAction
+    group.add_argument(
+        "--allow-credentials", action=switch, default=False, help="CORS: allow credentials"
+    )
     group.add_argument(
         "--allowed-methods",
         type=_json_list,
@@ -115,7 +160,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--disable-fastapi-docs",
-        action="store_true",
+        action=switch,
+        default=False,
         help="no /docs, /redoc or /openapi.json",
     )
     group.add_argument(
@@ -135,14 +181,29 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --enable-log-requests: characters of each body logged (default: none, all)",
     )
-    for flag in ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"):
+    group.add_argument(
+        "--trust-request-chat-template",
+        action=switch,
+        default=False,
+        help="accept a request's own chat_template (chat completions, /tokenize, pooling "
+        "messages); without it such a request is refused (400), as in vLLM",
+    )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action=switch,
+        default=False,
+        help="generation usage reports prompt_tokens_details.cached_tokens (the prompt tokens "
+        "read from the prefix cache)",
+    )
+    for flag in ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-ciphers"):
         group.add_argument(
             flag, default=None, help="TLS (uvicorn's option of that name; default: none)"
         )
+    switch_action = argparse.BooleanOptionalAction
     for flag, (_, _, switch, _) in _NOT_HERE.items():
         if switch:
             parser.add_argument(
-                flag, action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+                flag, action=switch_action, default=argparse.SUPPRESS, help=argparse.SUPPRESS
             )
         else:
             parser.add_argument(
@@ -168,5 +229,5 @@ def check_frontend_args(args: argparse.Namespace) -> None:
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     """uvicorn.Config's TLS keywords of the flags given."""
-    names = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")
+    names = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_ciphers")
     return {name: getattr(args, name) for name in names if getattr(args, name, None)}

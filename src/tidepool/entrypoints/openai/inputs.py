@@ -118,6 +118,24 @@ def parse_texts(value: Any, param: str, allow_single: bool = True) -> list[str]:
     return texts
 
 
+def check_request_chat_template(
+    chat_template: Any, chat_template_kwargs: dict[str, Any] | None, trusted: bool
+) -> None:
+    """vLLM's rule: a request brings its own template (`chat_template`, or one inside
+    `chat_template_kwargs`) only on a server started with --trust-request-chat-template."""
+    in_kwargs = isinstance(chat_template_kwargs, dict) and (
+        chat_template_kwargs.get("chat_template") is not None
+    )
+    if trusted or (chat_template is None and not in_kwargs):
+        return
+    raise ApiError(
+        400,
+        "Chat template is passed with request, but --trust-request-chat-template is not set. "
+        "Refused request with untrusted chat template.",
+        "chat_template",
+    )
+
+
 def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Chat messages for the template: a role each, content a string (text parts joined)."""
     if not messages:

@@ -43,7 +43,13 @@ Str = StrictStr
 Float = Annotated[float, Strict(), AllowInfNan(False)]
 
 
-from tidepool.entrypoints.openai.protocol_vllm import ChatFields, PoolingFields  # noqa: E402
+from tidepool.entrypoints.openai.protocol_vllm import (  # noqa: E402
+    ChatFields,
+    PoolingFields,
+    PromptTokenUsageInfo,
+    ScoringFields,
+    TokenizeChatFields,
+)
 
 
 def random_id(prefix: str) -> str:
@@ -197,7 +203,7 @@ class ClassificationResponse(_ListResponse):
 # ---------------------------------------------------------------------- score / rerank
 
 
-class ScoreRequest(PoolingFields):
+class ScoreRequest(PoolingFields, ScoringFields):
     """One pair of fields, as vLLM takes them: `queries` / `documents` or `queries` / `items`
     (vLLM's current bodies), `text_1` / `text_2` or `data_1` / `data_2`."""
 
@@ -225,7 +231,7 @@ class ScoreResponse(_ListResponse):
     data: list[ScoreResponseData]
 
 
-class RerankRequest(PoolingFields):
+class RerankRequest(PoolingFields, ScoringFields):
     model: Str | None = None
     query: Any
     documents: Any
@@ -235,8 +241,6 @@ class RerankRequest(PoolingFields):
     return_documents: Bool = True
     truncate_prompt_tokens: Int | None = None
     activation: Bool | None = None
-    max_tokens_per_doc: Int | None = None
-    """Cohere's: each document is cut to this many tokens before it is scored."""
 
 
 class RerankDocument(OpenAIBaseModel):
@@ -250,6 +254,7 @@ class RerankResult(OpenAIBaseModel):
 
 
 class RerankUsage(OpenAIBaseModel):
+    prompt_tokens: int = 0
     total_tokens: int
 
 
@@ -338,6 +343,8 @@ class GenerationUsage(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+    """With --enable-prompt-tokens-details and a prefix-cache hit (as vLLM reports it)."""
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -425,7 +432,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 # ---------------------------------------------------------------------- tokenize
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(TokenizeChatFields):
     model: Str | None = None
     prompt: Str | None = None
     messages: list[Any] | None = None

@@ -57,6 +57,46 @@ class PoolingFields(_Base):
         return value
 
 
+class ScoringFields(_Base):
+    """vLLM 0.32's fields of /score and /rerank (its ScoringRequestMixin), each honoured or
+    refused (serving_vllm.py)."""
+
+    max_tokens_per_query: Int = 0
+    """Each query cut to its first N tokens before pairing (0: not cut), as vLLM cuts it."""
+    max_tokens_per_doc: Int = 0
+    """Each document cut to its first N tokens before pairing (0: not cut)."""
+    instruction: Str | None = None
+    """vLLM: folded into chat_template_kwargs for a score chat template. Refused here when set:
+    the score template's instruction is fixed at start (--score-instruction)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Refused when not empty (score templates take no per-request keywords here)."""
+    user: Str | None = None
+    """OpenAI's end-user id: accepted with no effect, as in vLLM."""
+
+
+class TokenizeChatFields(_Base):
+    """/tokenize with `messages` (vLLM's TokenizeChatRequest)."""
+
+    chat_template: Str | None = None
+    """Replaces the tokenizer's template (needs --trust-request-chat-template)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    tools: list[Any] | None = None
+    """Refused when not empty (no tool calling)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Refused (text models only)."""
+    media_io_kwargs: dict[str, Any] | None = None
+    """Refused (text models only)."""
+
+
+class PromptTokenUsageInfo(_Base):
+    """Generation usage's prompt_tokens_details (--enable-prompt-tokens-details)."""
+
+    cached_tokens: int | None = None
+    """Prompt tokens read from the prefix cache (block-aligned)."""
+
+
 class ChatFields(_Base):
     """`messages` instead of `input` (vLLM's chat form of a pooling request): rendered with the
     model's chat template into one prompt."""

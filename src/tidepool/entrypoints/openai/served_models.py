@@ -83,7 +83,12 @@ class ServedModels:
             serving = OpenAIServing(named.engine, list(named.names), limits, calibration)
             tokenization = OpenAIServingTokenization(serving)
             generation = OpenAIServingGeneration(
-                named.engine, serving, tokenization, metrics, state
+                named.engine,
+                serving,
+                tokenization,
+                metrics,
+                state,
+                limits.enable_prompt_tokens_details,
             )
             model = ServedModel(
                 named.names,

@@ -111,6 +111,10 @@ class ServerArgs:
     enable_log_requests: bool = False
     """Log each POST's route and body (cut to max_log_len characters)."""
     max_log_len: int | None = None
+    trust_request_chat_template: bool = False
+    """A request's own `chat_template` is accepted (else 400 naming the flag, as vLLM)."""
+    enable_prompt_tokens_details: bool = False
+    """Generation usage carries prompt_tokens_details.cached_tokens (the prefix-cache hit)."""
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -230,7 +234,11 @@ def build_app(
     state = ServerState()
     metrics = ServerMetrics({named.names[0]: named.engine for named in engines})
     admission = Admission(args.admission_limits(), metrics)
-    limits = ServingLimits(args.max_inputs_per_request)
+    limits = ServingLimits(
+        args.max_inputs_per_request,
+        args.trust_request_chat_template,
+        args.enable_prompt_tokens_details,
+    )
     calibration = EmbeddingCalibration(args.embedding_calibration)
     models = ServedModels(engines, limits, metrics, state, calibration)
     for model in models:

@@ -48,7 +48,7 @@ from tidepool.entrypoints.openai.responses import (
 from tidepool.entrypoints.openai.serving_vllm import (
     bytes_response,
     check_vllm_fields,
-    cut_documents,
+    cut_pairs,
     prompts_value,
     response_id,
     use_activation_of,
@@ -66,6 +66,11 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 class ServingLimits:
     max_inputs_per_request: int = 2048
     """More inputs (or documents, or pairs) in one request → 413."""
+    trust_request_chat_template: bool = False
+    """--trust-request-chat-template: a request may bring its own `chat_template` (else 400
+    naming the flag, as vLLM)."""
+    enable_prompt_tokens_details: bool = False
+    """--enable-prompt-tokens-details: generation usage reports prompt_tokens_details."""
 
 
 # ---------------------------------------------------------------------- output helpers
@@ -291,6 +296,7 @@ class OpenAIServing:
             raise ApiError(400, str(e), names[0]) from e
         self.check_count(len(second), names[1])
         check_vllm_fields(req)
+        pairs = await cut_pairs(self, req, pairs)
         scores, num_tokens = await self.score_pairs(
             pairs,
             req.truncate_prompt_tokens,
@@ -312,10 +318,7 @@ class OpenAIServing:
         if req.top_n is not None and req.top_n < 0:
             raise ApiError(400, f"top_n must be >= 0 (0 = all), got {req.top_n}", "top_n")
         check_vllm_fields(req)
-        scored = documents
-        if req.max_tokens_per_doc is not None:
-            scored = await cut_documents(self, documents, req.max_tokens_per_doc)
-        pairs = [(req.query, doc) for doc in scored]
+        pairs = await cut_pairs(self, req, [(req.query, doc) for doc in documents])
         scores, num_tokens = await self.score_pairs(
             pairs,
             req.truncate_prompt_tokens,
@@ -336,7 +339,7 @@ class OpenAIServing:
         ]
         return p.RerankResponse(
             model=model,
-            usage=p.RerankUsage(total_tokens=num_tokens),
+            usage=p.RerankUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
             results=results,
             **response_id("rerank", req),
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -29,7 +29,7 @@ from tidepool.entrypoints.openai.logprobs import chat_logprobs, completion_logpr
 from tidepool.entrypoints.openai.metrics import ServerMetrics
 from tidepool.entrypoints.openai.serving import OpenAIServing
 from tidepool.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
-from tidepool.outputs import BatchInputError, CompletionOutput, RequestError
+from tidepool.outputs import BatchInputError, CompletionOutput, RequestError, RequestOutput
 from tidepool.params import SamplingParams
 from tidepool.request import Request
 
@@ -61,12 +61,24 @@ class _Usage:
 
     num_prompt_tokens: int
     num_completion_tokens: int = 0
+    details: bool = False
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (vLLM)."""
+    cached: dict[int, int] = field(default_factory=dict)
+    """Prompt index → its tokens read from the prefix cache (each prompt once, whatever n;
+    summed over prompts, where vLLM reports the last prompt's)."""
+
+    def note(self, output: RequestOutput, n: int) -> None:
+        self.cached[output.outputs[0].index // n] = output.num_cached_tokens or 0
 
     def info(self) -> p.GenerationUsage:
+        num_cached = sum(self.cached.values())
         return p.GenerationUsage(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=self.num_completion_tokens,
             total_tokens=self.num_prompt_tokens + self.num_completion_tokens,
+            prompt_tokens_details=(
+                p.PromptTokenUsageInfo(cached_tokens=num_cached) if self.details else None
+            ),
         )
 
 
@@ -78,8 +90,10 @@ class OpenAIServingGeneration:
         tokenization: OpenAIServingTokenization,
         metrics: ServerMetrics | None = None,
         state: ServerState | None = None,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
         self.engine = engine
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.serving = serving
         self.tokenization = tokenization
         self.metrics = metrics
@@ -299,8 +313,8 @@ class OpenAIServingGeneration:
         to_choice: Callable[[int, CompletionOutput], _Choice],
     ) -> tuple[list[_Choice], p.GenerationUsage]:
         """stream=false: every choice's final output as an answer's choice, and the usage."""
-        finals = await self._collect(self.engine.generate(prep.inputs, stream=False))
-        usage = _Usage(prep.num_prompt_tokens)
+        usage = _Usage(prep.num_prompt_tokens, details=self.enable_prompt_tokens_details)
+        finals = await self._collect(self.engine.generate(prep.inputs, stream=False), usage, prep.n)
         choices = []
         for index, completion in enumerate(finals):
             choices.append(to_choice(index, completion))
@@ -321,7 +335,7 @@ class OpenAIServingGeneration:
         """stream=true: a chunk per opening choice, then per choice and step (`to_choice` of its
         delta), the usage chunk when asked for, [DONE]; an error event ends the chunks."""
         chunk_id, created = p.random_id(id_prefix), int(time.time())
-        usage = _Usage(prep.num_prompt_tokens)
+        usage = _Usage(prep.num_prompt_tokens, details=self.enable_prompt_tokens_details)
         continuous = _wants(req, "continuous_usage_stats")
         failed = False
 
@@ -348,13 +362,16 @@ class OpenAIServingGeneration:
             yield chunk([], True)
         yield SSE_DONE
 
-    async def _collect(self, stream: GenerationStream) -> list[CompletionOutput]:
+    async def _collect(
+        self, stream: GenerationStream, usage: _Usage, n: int
+    ) -> list[CompletionOutput]:
         """Each choice's final output, in choice order (cancelling aborts the requests)."""
         finals: dict[int, CompletionOutput] = {}
         try:
             async for outputs in stream:
                 for out in outputs:
                     finals[out.outputs[0].index] = out.outputs[0]
+                    usage.note(out, n)
         except BatchInputError as e:  # the engine refused the parameters for this model
             raise ApiError(400, str(e)) from e
         finally:
@@ -376,6 +393,8 @@ class OpenAIServingGeneration:
                         time.perf_counter() - start
                     )
                 first = False
+                for out in outputs:
+                    usage.note(out, prep.n)
                 deltas = [out.outputs[0] for out in outputs]
                 usage.num_completion_tokens += sum(len(d.token_ids) for d in deltas)
                 yield deltas

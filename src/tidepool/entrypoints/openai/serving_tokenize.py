@@ -7,7 +7,12 @@ from typing import Any
 
 from tidepool.entrypoints.openai import protocol as p
 from tidepool.entrypoints.openai.errors import ApiError
-from tidepool.entrypoints.openai.inputs import check_messages, check_strings, check_text
+from tidepool.entrypoints.openai.inputs import (
+    check_messages,
+    check_request_chat_template,
+    check_strings,
+    check_text,
+)
 from tidepool.entrypoints.openai.serving import OpenAIServing
 
 
@@ -25,9 +30,15 @@ class OpenAIServingTokenization:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Chat messages → the prompt text, by the tokenizer's chat template (or `chat_template`)."""
+        trusted = self.serving.limits.trust_request_chat_template
+        check_request_chat_template(chat_template, chat_template_kwargs, trusted)
         messages = check_messages(messages)
         check_strings(chat_template, "chat_template", "chat_template")
         check_strings(chat_template_kwargs, "chat_template_kwargs", "chat_template_kwargs")
+        chat_template_kwargs = dict(chat_template_kwargs or {})
+        if chat_template is None:  # vLLM reads a template given among the keywords too
+            chat_template = chat_template_kwargs.pop("chat_template", None)
+        chat_template_kwargs.pop("chat_template", None)
         tokenizer = self.engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ApiError(
@@ -59,10 +70,20 @@ class OpenAIServingTokenization:
 
     async def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
         self.serving.model_name(req.model)
+        for name in ("tools", "mm_processor_kwargs", "media_io_kwargs"):
+            if getattr(req, name):
+                what = "tool calling" if name == "tools" else "multimodal inputs (text models only)"
+                raise ApiError(400, f"{name} is not supported here: there is no {what}", name)
         add_special_tokens = req.add_special_tokens
         prompt = req.prompt
         if req.messages is not None:
-            prompt = await self.render_chat(req.messages)
+            prompt = await self.render_chat(
+                req.messages,
+                req.chat_template,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
             add_special_tokens = False  # the template writes them (as in /v1/chat/completions)
         if prompt is None:
             raise ApiError(400, "give 'prompt' (a string) or 'messages' to tokenize", "prompt")

@@ -4,8 +4,10 @@
 Honoured: use_activation (and the older normalize / activation), truncation_side,
 add_special_tokens (False: texts run as token ids without [CLS] / [SEP] / BOS), `messages` (the
 model's chat template renders them into the prompt), request_id (echoed in `id`), the "bytes"
-encodings, max_tokens_per_doc (rerank). Refused unless unset: priority, padding "max_length",
-mm_processor_kwargs, media_io_kwargs, cache_salt.
+encodings, max_tokens_per_query / max_tokens_per_doc (score, rerank), user (no effect, as in
+vLLM). Refused unless unset: priority, padding "max_length",
+mm_processor_kwargs, media_io_kwargs, cache_salt; on score / rerank instruction and
+chat_template_kwargs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tidepool.engine.tokenization_kwargs import without_special_tokens
 from tidepool.entrypoints.openai import protocol as p
 from tidepool.entrypoints.openai.encodings import binary_values
 from tidepool.entrypoints.openai.errors import ApiError
+from tidepool.entrypoints.openai.inputs import check_request_chat_template
 from tidepool.outputs import PoolingRequestOutput
 
 _REFUSED = (
@@ -70,7 +73,11 @@ def render_messages(tokenizer: Any, req: Any) -> str:
         raise ApiError(
             400, "give add_generation_prompt or continue_final_message, not both", "messages"
         )
+    kwargs = dict(req.chat_template_kwargs or {})
     template = req.chat_template
+    if template is None:  # vLLM reads a template given among the keywords too
+        template = kwargs.pop("chat_template", None)
+    kwargs.pop("chat_template", None)
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise ApiError(
             400,
@@ -85,7 +92,7 @@ def render_messages(tokenizer: Any, req: Any) -> str:
             chat_template=template,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            **(req.chat_template_kwargs or {}),
+            **kwargs,
         )
     except Exception as e:  # jinja errors, bad message shapes
         raise ApiError(400, f"messages could not be rendered: {e}", "messages") from e
@@ -98,6 +105,8 @@ async def prompts_value(serving: Any, req: Any) -> tuple[Any, str]:
     if req.messages is not None and req.input is not None:
         raise ApiError(400, "give input or messages, not both", "messages")
     if req.messages is not None:
+        trusted = serving.limits.trust_request_chat_template
+        check_request_chat_template(req.chat_template, req.chat_template_kwargs, trusted)
         value: Any = await engine.run_in_tokenizer(render_messages, engine.tokenizer, req)
         param, default_special = "messages", False
     elif req.input is None:
@@ -165,21 +174,62 @@ def bytes_response(
     return Response(b"".join(chunks), media_type="application/octet-stream", headers=headers)
 
 
-async def cut_documents(serving: Any, documents: list[str], max_tokens: int) -> list[str]:
-    """Cohere's max_tokens_per_doc: each document cut after its first `max_tokens` tokens (at
-    the end of the last kept token, so the text kept is the document's own)."""
-    if max_tokens < 1:
-        raise ApiError(
-            400, f"max_tokens_per_doc must be >= 1, got {max_tokens}", "max_tokens_per_doc"
-        )
+def _token_limit(req: Any, name: str, max_model_len: int) -> int:
+    """vLLM's check of max_tokens_per_query / max_tokens_per_doc: 0 = no cut, else 1 to
+    max_model_len - 1."""
+    value = getattr(req, name)
+    if value < 0:
+        raise ApiError(400, f"{name} must be a non-negative integer, got {value}", name)
+    if value >= max_model_len:
+        message = f"{name} ({value}) must be less than max_model_len ({max_model_len})."
+        raise ApiError(400, message, name)
+    return value
+
+
+def cut_to_tokens(tokenizer: Any, text: str, max_tokens: int) -> str:
+    """`text` cut to its first `max_tokens` tokens (no special tokens) at a character boundary
+    of the original text, as vLLM's truncate_text_to_tokens: cut between the last kept token
+    and the next one, re-tokenized until it fits (a BPE merge may change at the cut)."""
+    while text:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+        if len(enc["input_ids"]) <= max_tokens:
+            break
+        end = min(offsets[max_tokens - 1][1], offsets[max_tokens][0])
+        text = text[: min(end, len(text) - 1)]
+    return text
+
+
+async def cut_pairs(serving: Any, req: Any, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """/score and /rerank's vLLM scoring fields: max_tokens_per_query / max_tokens_per_doc cut
+    each side before the pair is read; instruction and chat_template_kwargs are refused (a score
+    template's instruction is fixed when the server starts); `user` has no effect."""
+    for name in ("instruction", "chat_template_kwargs"):
+        if getattr(req, name, None):
+            raise ApiError(
+                400,
+                f"{name} is not supported per request here: a score template and its "
+                "instruction are set when the server starts (--score-template, "
+                "--score-instruction)",
+                name,
+            )
+    max_model_len = serving.model_config.max_model_len
+    max_query = _token_limit(req, "max_tokens_per_query", max_model_len)
+    max_doc = _token_limit(req, "max_tokens_per_doc", max_model_len)
+    if not max_query and not max_doc:
+        return pairs
     tokenizer = serving.engine.tokenizer
 
-    def cut(texts: list[str]) -> list[str]:
-        out = []
-        for text in texts:
-            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            offsets = enc["offset_mapping"]
-            out.append(text if len(offsets) <= max_tokens else text[: offsets[max_tokens - 1][1]])
-        return out
+    def cut() -> list[tuple[str, str]]:
+        cache: dict[tuple[str, int], str] = {}
 
-    return await serving.engine.run_in_tokenizer(cut, documents)
+        def one(text: str, limit: int) -> str:
+            if not limit or not isinstance(text, str):
+                return text
+            if (text, limit) not in cache:
+                cache[text, limit] = cut_to_tokens(tokenizer, text, limit)
+            return cache[text, limit]
+
+        return [(one(q, max_query), one(d, max_doc)) for q, d in pairs]
+
+    return await serving.engine.run_in_tokenizer(cut)
