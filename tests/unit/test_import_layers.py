@@ -201,6 +201,7 @@ def test_no_cycles_among_model_loading() -> None:
         "tidepool.transformers_backend",
         "tidepool.quantization",
         "tidepool.kernels",
+        "tidepool.output_heads",
     )
     models = {m for m in GRAPH if any(_within(m, p) for p in loading) or m == "tidepool.config"}
     assert [c for c in _cycles(GRAPH) if set(c) & models] == []
@@ -229,6 +230,7 @@ def test_no_cycles_among_model_loading() -> None:
             "tidepool.model_loader",
             "tidepool.transformers_backend",
             "tidepool.quantization",
+            "tidepool.output_heads",
         ),
         _layer(
             "tidepool.attention",
@@ -263,6 +265,16 @@ def test_no_cycles_among_model_loading() -> None:
             "tidepool.transformers_backend",
         ),
         _layer("tidepool.model_loader", *_ABOVE_MODELS),
+        # One object per output head: below the pooler, the resolver and the refusals that read
+        # it; above the models whose protocols it names.
+        _layer(
+            "tidepool.output_heads",
+            *_ABOVE_MODELS,
+            "tidepool.checkpoint",
+            "tidepool.model_loader",
+            "tidepool.transformers_backend",
+            "tidepool.quantization",
+        ),
         _layer(
             "tidepool.engine",
             "tidepool.entrypoints",

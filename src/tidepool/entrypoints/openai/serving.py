@@ -56,6 +56,7 @@ from tidepool.entrypoints.openai.serving_vllm import (
     response_id,
     use_activation_of,
 )
+from tidepool.output_heads import get_head
 from tidepool.outputs import BatchInputError, PoolingRequestOutput
 from tidepool.params import PoolingParams, check_pooling_task
 
@@ -116,7 +117,8 @@ class OpenAIServing:
 
     def _model_kind(self) -> str:
         kinds = {"classify": "a cross-encoder / classifier", "generate": "a generating model"}
-        return kinds.get(self.model_config.task, "an embedding model")
+        head_kind = get_head(self.model_config.output_head).kind  # a SPLADE, BGE-M3 ... model
+        return head_kind or kinds.get(self.model_config.task, "an embedding model")
 
     def _check_task(self, task: str, api: str) -> None:
         if task not in self.engine.supported_tasks:
