@@ -172,6 +172,8 @@ class Pooler(nn.Module):
         if "classify" in tasks and self._classifier is None:
             raise TypeError(f"{type(model).__name__} has no classifier head (compute_logits)")
         head = get_head(model_config.output_head)
+        self._model_kind = head.kind or f"this {model_config.task} model"
+        """What the model is, for refusals ("a SPLADE sparse embedding model")."""
         self._head_model: Any = head.bind(model)
         """The model as its output head's protocol types it (checked here, at load)."""
         self._token_poolers: dict[str, TokenPooler[Any]] = {
@@ -211,7 +213,7 @@ class Pooler(nn.Module):
         """Raise ValueError if this model cannot serve `params` (before any work is done)."""
         if params.task not in self.supported_tasks():
             raise ValueError(
-                f"task {params.task!r} is not supported by this {self.task} model; "
+                f"task {params.task!r} is not supported by {self._model_kind}; "
                 f"supported: {', '.join(self.supported_tasks())}"
             )
         if params.dimensions is not None:
