@@ -118,5 +118,7 @@ def test_the_registry_refuses_a_taken_name_and_an_unknown_task(toy_head):
         register_head(toy_head)
     with pytest.raises(ValueError, match="unknown pooling task 'reward'"):
         OutputHead(name="reward", tasks=("reward",), protocol=object, provides="")
+    with pytest.raises(ValueError, match="output head 'empty' serves no pooling task"):
+        OutputHead(name="empty", tasks=(), protocol=object, provides="")
     with pytest.raises(ValueError, match="output_head must be one of task, .*got 'nope'"):
         get_head("nope")

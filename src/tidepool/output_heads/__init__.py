@@ -1,9 +1,9 @@
 """Output heads: one `OutputHead` per kind, in one registry (base.py, registry.py).
 
-The built-in heads are registered here, on import, in detection order: "task" (the model's task's own),
-"token_classifier", "splade", "bge_m3". A new kind is one module that builds an `OutputHead`
-and calls `register_head` (docs/architecture.md, "Where new code goes").
-"""
+The built-in heads are registered here, on import, in detection order: "task" (the model's task's
+own), "token_classifier", "splade", "bge_m3". A new built-in kind is one module here (its
+`OutputHead`) and its entry in BUILTIN_HEADS; a plugin's own module calls `register_head`
+(docs/architecture.md, "Where new code goes")."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ pooled, how a checkpoint calls for it, and what its refusals say.
 A head's token pooler is called with the model (already checked against `protocol`, so typed as
 it), the pooler's finishing steps (`PoolerContext`), one text's rows [len, hidden], its token ids
 [len] (None on a chunked causal prompt) and the request's parameters; it returns a CPU float32
-tensor. The registry (registry.py) holds the heads; adding one is one module that calls
-`register_head` (tests/models/test_output_head_plugin.py registers one from a test module).
+tensor. The registry (registry.py) holds the heads; adding one is one module that builds its
+`OutputHead` and registers it (tests/models/test_output_head_plugin.py does from a test module).
 """
 
 from __future__ import annotations
@@ -119,6 +119,8 @@ class OutputHead(Generic[M]):
     """Task → what a call of it needs ("a sparse embedding model"), for tasks this head names."""
 
     def __post_init__(self) -> None:
+        if not self.tasks and self.name != "task":
+            raise ValueError(f"output head {self.name!r} serves no pooling task")
         for task in (*self.tasks, *self.token_poolers, *self.task_needs):
             if task not in POOLING_TASKS:
                 raise ValueError(
