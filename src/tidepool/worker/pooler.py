@@ -270,7 +270,7 @@ class Pooler(nn.Module):
             ):
                 outputs[i] = out
         if len(seq_rows) == meta.num_seqs:
-            return outputs  # type: ignore[return-value]
+            return outputs
         cu = meta.cu_seqlens.tolist()
         for i, p in enumerate(meta.params):
             token_pooler = self._token_pooler(p)
@@ -278,7 +278,7 @@ class Pooler(nn.Module):
                 ids = None if meta.input_ids is None else meta.input_ids[cu[i] : cu[i + 1]]
                 rows = hidden[cu[i] : cu[i + 1]]
                 outputs[i] = token_pooler(self._head_model, self, rows, ids, p)
-        return outputs  # type: ignore[return-value]
+        return outputs
 
     def _token_pooler(self, params: PoolingParams) -> TokenPooler[Any] | None:
         return self._token_poolers.get(params.task) if params.task else None
@@ -365,4 +365,4 @@ class Pooler(nn.Module):
                 if params[row].task == "score" and out.numel() == 1:
                     out = out[0]
                 outputs[row] = out
-        return outputs  # type: ignore[return-value]
+        return outputs
