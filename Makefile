@@ -15,7 +15,8 @@ MYPY_PATHS = src/tidepool/core src/tidepool/kv_cache src/tidepool/engine src/tid
 	src/tidepool/params.py src/tidepool/request.py src/tidepool/worker src/tidepool/attention \
 	src/tidepool/models/interfaces.py src/tidepool/jobs src/tidepool/ray \
 	src/tidepool/entrypoints/openai/protocol.py src/tidepool/entrypoints/openai/protocol_cohere.py \
-	src/tidepool/entrypoints/openai/protocol_tei.py src/tidepool/entrypoints/openai/protocol_vllm.py
+	src/tidepool/entrypoints/openai/protocol_tei.py src/tidepool/entrypoints/openai/protocol_vllm.py \
+	src/tidepool/output_heads
 
 lint:
 	.venv/bin/ruff check src tests benchmarks

@@ -68,15 +68,6 @@ class SparseHeadConfig:
     """BGE-M3: token ids that never get a weight (CLS, EOS, PAD, UNK, as FlagEmbedding)."""
 
 
-OUTPUT_HEADS: dict[str, tuple[str, ...]] = {
-    "task": (),
-    "splade": ("embed_sparse",),
-    "bge_m3": ("embed", "embed_sparse", "token_embed", "token_classify"),
-    "token_classifier": ("token_classify",),
-}
-"""Output head → the pooling tasks it serves ("task": what the model's task implies)."""
-
-
 @dataclass(frozen=True)
 class MultiVectorMeta:
     """A ColBERT (late-interaction) model: one vector per token, queries and documents encoded
@@ -245,9 +236,13 @@ class ModelConfig:
     trust_remote_code: bool = False
     """The transformers backend may run modeling code shipped in the model folder."""
     output_head: str = "task"
-    """The head outputs come from (OUTPUT_HEADS): "task" (the task's own: embeddings, sequence
-    logits, LM logits), "splade" (an MLM head, SPLADE-pooled), "bge_m3" (dense + sparse +
-    multi-vector) or "token_classifier" (per-token labels)."""
+    """The head outputs come from, by its name in the output-head registry (output_heads/):
+    "task" (the task's own: embeddings, sequence logits, LM logits), "splade" (an MLM head,
+    SPLADE-pooled), "bge_m3" (dense + sparse + multi-vector), "token_classifier" (per-token
+    labels) or a registered plugin's."""
+    head_tasks: tuple[str, ...] = ()
+    """The pooling tasks of `output_head` (its OutputHead's `tasks`, filled by the resolver);
+    () for "task", whose tasks follow from `task`."""
     sparse: SparseHeadConfig | None = None
     """Sparse pooling settings of the "splade" and "bge_m3" heads."""
     score_template: str | None = None
@@ -282,9 +277,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, bool) or self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.output_head not in OUTPUT_HEADS:
+        if (self.output_head == "task") != (not self.head_tasks):
             raise ValueError(
-                f"output_head must be one of {', '.join(OUTPUT_HEADS)}, got {self.output_head!r}"
+                f"output_head {self.output_head!r} with head_tasks {self.head_tasks}: the "
+                '"task" head has none, every other head its own'
             )
 
     @property
@@ -297,13 +293,13 @@ class ModelConfig:
         """The pooling tasks this model serves (the one rule the pooler and the entry points
         read): a classifier classifies, and with one label also scores (a cross-encoder's
         relevance, sigmoid); any other pooling model embeds; a generating model pools nothing.
-        A model with its own output head serves that head's tasks (OUTPUT_HEADS): a SPLADE
+        A model with its own output head serves that head's tasks (`head_tasks`): a SPLADE
         model sparse embeddings, BGE-M3 dense, sparse and multi-vector, a token classifier
         per-token labels."""
         if self.task == "generate":
             return ()
-        if self.output_head != "task":
-            return OUTPUT_HEADS[self.output_head]
+        if self.head_tasks:
+            return self.head_tasks
         if self.task == "classify":
             return ("classify", "score") if self.num_labels == 1 else ("classify",)
         if self.multi_vector is not None:

@@ -6,17 +6,10 @@ import copy
 import enum
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 PoolingTask = Literal["embed", "classify", "score", "token_embed", "token_classify", "embed_sparse"]
-POOLING_TASKS: tuple[str, ...] = (
-    "embed",
-    "classify",
-    "score",
-    "token_embed",
-    "token_classify",
-    "embed_sparse",
-)
+POOLING_TASKS: tuple[str, ...] = get_args(PoolingTask)
 """Task names a request may carry: vLLM's, and "embed_sparse" (TEI's /embed_sparse: (token id,
 weight) pairs of a SPLADE or BGE-M3 model). A model serves some of them
 (`ModelConfig.pooling_tasks`); the pooler refuses the others, naming the ones it serves. vLLM's

@@ -116,9 +116,9 @@ def test_max_active_dims_on_a_dense_task_is_refused(tiny_llm):
 
 
 def test_a_model_without_the_head_its_config_names_is_refused_at_load():
-    from tidepool.worker.token_poolers import check_head
+    from tidepool.output_heads import get_head
 
     for head in ("splade", "bge_m3", "token_classifier"):
         with pytest.raises(TypeError, match=f"object has no .* it cannot serve {head}"):
-            check_head(head, object())
-    check_head("task", object())  # the task's own head: checked elsewhere
+            get_head(head).bind(object())
+    get_head("task").bind(object())  # the task's own head: checked elsewhere

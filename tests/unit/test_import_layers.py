@@ -197,30 +197,10 @@ def test_no_import_cycles() -> None:
     assert _cycles(GRAPH) == []
 
 
-_HEADS_CYCLE = {"tidepool.worker.pooler", "tidepool.worker.token_poolers"}
-"""The one cycle under TYPE_CHECKING left: the output-heads work (issue 28, item 2) removes it."""
-
-
-@pytest.mark.parametrize(
-    "heads",
-    [
-        pytest.param(False, id="all-but-the-poolers"),
-        pytest.param(
-            True,
-            id="worker-poolers",
-            marks=pytest.mark.xfail(
-                reason="worker/pooler <-> worker/token_poolers under TYPE_CHECKING: removed by "
-                "the output-heads work (issue 28, item 2), not yet merged",
-                strict=False,
-            ),
-        ),
-    ],
-)
-def test_no_type_checking_cycles(heads: bool) -> None:
+def test_no_type_checking_cycles() -> None:
     """A cycle that exists only for the type checker still ties the modules' designs together
     (each needs the other to be read)."""
-    cycles = _cycles(GRAPH, type_only=True)
-    assert [c for c in cycles if bool(set(c) & _HEADS_CYCLE) == heads] == []
+    assert _cycles(GRAPH, type_only=True) == []
 
 
 def test_no_cycles_among_model_loading() -> None:
@@ -232,6 +212,7 @@ def test_no_cycles_among_model_loading() -> None:
         "tidepool.transformers_backend",
         "tidepool.quantization",
         "tidepool.kernels",
+        "tidepool.output_heads",
     )
     models = {m for m in GRAPH if any(_within(m, p) for p in loading) or m == "tidepool.config"}
     assert [c for c in _cycles(GRAPH) if set(c) & models] == []
@@ -260,6 +241,7 @@ def test_no_cycles_among_model_loading() -> None:
             "tidepool.model_loader",
             "tidepool.transformers_backend",
             "tidepool.quantization",
+            "tidepool.output_heads",
         ),
         _layer(
             "tidepool.attention",
@@ -294,6 +276,16 @@ def test_no_cycles_among_model_loading() -> None:
             "tidepool.transformers_backend",
         ),
         _layer("tidepool.model_loader", *_ABOVE_MODELS),
+        # One object per output head: below the pooler, the resolver and the refusals that read
+        # it; above the models whose protocols it names.
+        _layer(
+            "tidepool.output_heads",
+            *_ABOVE_MODELS,
+            "tidepool.checkpoint",
+            "tidepool.model_loader",
+            "tidepool.transformers_backend",
+            "tidepool.quantization",
+        ),
         _layer(
             "tidepool.engine",
             "tidepool.entrypoints",

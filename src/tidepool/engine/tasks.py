@@ -2,12 +2,14 @@
 
 One rule for the offline `LLM`: a call the model cannot serve at all (`.embed` on a cross-encoder,
 `.classify` on an embedder) raises ValueError before any work, naming the model and what it is
-for. The tasks come from `ModelConfig.pooling_tasks`, which the pooler also checks each request against.
+for. The tasks come from `ModelConfig.pooling_tasks`, which the pooler also checks each request against;
+the words from the model's output head (output_heads/: its kind, what each task needs).
 """
 
 from __future__ import annotations
 
 from tidepool.config import ModelConfig
+from tidepool.output_heads import get_head, task_needs
 from tidepool.params import POOLING_TASKS
 
 
@@ -16,23 +18,14 @@ def supported_tasks(model_config: ModelConfig) -> tuple[str, ...]:
     return model_config.pooling_tasks
 
 
-_NEEDS = {
-    "embed": "an embedding model",
-    "token_embed": "an embedding model",
-    "classify": "a model with a classification head",
-    "score": "a cross-encoder (a classification head with one label) or an embedding model",
-    "embed_sparse": "a sparse embedding model (SPLADE, BGE-M3)",
-    "token_classify": "a token classification model (*ForTokenClassification) or BGE-M3",
-}
 _KIND = {"embed": "an embedding model", "classify": "a classification model", "generate": "a "
          "generating model"}  # fmt: skip
 
 
-_HEAD_KIND = {
-    "splade": "a SPLADE sparse embedding model",
-    "bge_m3": "a BGE-M3 model",
-    "token_classifier": "a token classification model",
-}
+def model_kind(model_config: ModelConfig) -> str:
+    """What the model is, for refusals: its output head's kind, else its task's."""
+    kind = get_head(model_config.output_head).kind
+    return kind or _KIND.get(model_config.task, f"a {model_config.task} model")
 
 
 def check_task_supported(model_config: ModelConfig, task: str) -> None:
@@ -45,10 +38,8 @@ def check_task_supported(model_config: ModelConfig, task: str) -> None:
     # An embedding model scores by cosine, a ColBERT model (token_embed only) by MaxSim.
     if task in tasks or (task == "score" and ("embed" in tasks or "token_embed" in tasks)):
         return
-    needs = _NEEDS.get(task, f"a model that supports {task!r}")
-    kind = _HEAD_KIND.get(model_config.output_head) or _KIND.get(
-        model_config.task, f"a {model_config.task} model"
-    )
+    needs = task_needs(task)
+    kind = model_kind(model_config)
     offers = f"it supports {', '.join(tasks)}" if tasks else "it serves no pooling task"
     hint = _GENERATOR_HINTS.get(task, "") if model_config.task == "generate" else ""
     raise ValueError(

@@ -42,6 +42,7 @@ from tidepool.model_loader.registry import (
     resolve_model_impl,
     text_tower_config,
 )
+from tidepool.output_heads import Checkpoint, detect_head, get_head
 from tidepool.quantization.int8 import check_quantization, check_quantization_target
 
 RUNNERS = ("auto", "pooling", "generate")
@@ -72,7 +73,7 @@ class ResolvedModel:
     """Added to 0-based positions, as the transformers backend read it from the model; None for
     native models (their offset follows from the architecture name)."""
     output_head: str = "task"
-    """config.OUTPUT_HEADS: "task", "splade", "bge_m3" or "token_classifier"."""
+    """The output head's name (output_heads/): "task" unless the checkpoint called for one."""
     sparse: SparseHeadConfig | None = None
     """The sparse head's settings (SPLADE pooling, BGE-M3's skipped tokens)."""
     fallback_on_forward_error: bool = False
@@ -161,6 +162,7 @@ def build_model_config(
         model_impl=resolved.model_impl,
         trust_remote_code=trust_remote_code,
         output_head=resolved.output_head,
+        head_tasks=get_head(resolved.output_head).tasks,
         sparse=resolved.sparse,
         multi_vector=multi_vector,
         quantization=quantization,
@@ -188,13 +190,13 @@ def resolve_model(
         log_st_embedder(path, checkpoint_arch)
     task, arch = _resolve_task(checkpoint_arch, runner, convert, model_impl)
     refuse_unsupported_kind(arch, hf_config, task)  # images, encoder-decoders: say what runs
-    head = _output_head(checkpoint_arch, task, arch, path, convert, model_impl)
+    head = detect_head(Checkpoint(checkpoint_arch, task, arch, path, convert, model_impl))
     if head is not None:
         task, arch = head.task, head.architecture
     if model_impl in ("auto", "native") and task != "generate":
         arch = native_architecture(arch, hf_config)  # EmbeddingGemma: the encoder variant
     impl = resolve_model_impl(arch, model_impl)
-    output_head = "task" if head is None else head.output_head
+    output_head = "task" if head is None else head.head
     sparse = None if head is None else head.sparse
     if impl == "native":
         if getattr(hf_config, "classifier_from_token", None):
@@ -236,76 +238,6 @@ def resolve_model(
     return ResolvedModel(
         task, arch, "fallback", False, fallback.position_offset, output_head, sparse
     )
-
-
-@dataclass(frozen=True)
-class _HeadChoice:
-    task: str
-    architecture: str
-    output_head: str
-    sparse: SparseHeadConfig | None = None
-
-
-def _output_head(
-    checkpoint_arch: str, task: str, arch: str, path: Path, convert: str, model_impl: str
-) -> _HeadChoice | None:
-    """A head the checkpoint's files call for beyond its task's own: a token classifier, a
-    SPLADE model (an MLM checkpoint whose modules.json ends in SpladePooling), BGE-M3
-    (FlagEmbedding's sparse_linear.pt and colbert_linear.pt beside an XLM-R body). None:
-    the task's head. `convert="embed"` keeps the plain body (dense embeddings)."""
-    if task == "generate" or convert == "embed":
-        return None
-    if checkpoint_arch.endswith("ForTokenClassification"):
-        return _HeadChoice("classify", checkpoint_arch, "token_classifier")
-    if model_impl == "transformers":
-        return None
-    splade = _splade_pooling(path)
-    if checkpoint_arch.endswith("ForMaskedLM") and splade is not None:
-        return _HeadChoice("embed", checkpoint_arch, "splade", splade)
-    if (
-        task == "embed"
-        and arch == "XLMRobertaModel"
-        and (path / "sparse_linear.pt").is_file()
-        and (path / "colbert_linear.pt").is_file()
-    ):
-        return _HeadChoice(
-            "embed",
-            "BgeM3EmbeddingModel",
-            "bge_m3",
-            SparseHeadConfig(skip_token_ids=_m3_skip(path)),
-        )
-    return None
-
-
-_SPLADE_KEYS = ("pooling_strategy", "activation_function")
-
-
-def _splade_pooling(path: Path) -> SparseHeadConfig | None:
-    """sentence-transformers' SpladePooling module of a SparseEncoder folder, else None."""
-    modules_file = path / "modules.json"
-    if not modules_file.is_file():
-        return None
-    for module in json.loads(modules_file.read_text(encoding="utf-8")):
-        if str(module.get("type", "")).endswith("SpladePooling"):
-            cfg_file = path / module.get("path", "") / "config.json"
-            cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
-            settings = {k: cfg[k] for k in _SPLADE_KEYS if cfg.get(k) is not None}
-            if settings.get("pooling_strategy", "max") not in ("max", "sum"):
-                raise ValueError(f"{cfg_file}: pooling_strategy must be max or sum")
-            if settings.get("activation_function", "relu") not in ("relu", "log1p_relu"):
-                raise ValueError(f"{cfg_file}: activation_function must be relu or log1p_relu")
-            return SparseHeadConfig(**settings)
-    return None
-
-
-def _m3_skip(path: Path) -> tuple[int, ...]:
-    """The ids FlagEmbedding drops from BGE-M3's lexical weights: CLS, EOS, PAD, UNK."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    names = ("cls_token", "eos_token", "pad_token", "unk_token")
-    tokens = [getattr(tokenizer, name, None) for name in names]
-    return tuple(sorted({int(tokenizer.convert_tokens_to_ids(t)) for t in tokens if t is not None}))
 
 
 def _set_classifier_from_token(hf_config: Any, path: Path, arch: str) -> None:

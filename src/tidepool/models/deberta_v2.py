@@ -438,7 +438,7 @@ class DebertaV2ForSequenceClassification(EncoderWithHead):
 
 class DebertaV2ForTokenClassification(BertForTokenClassification):
     """A DeBERTa per-token classifier (NER): token state → classifier (dropout is identity at
-    inference); the pooler runs it per text (worker/token_poolers.py)."""
+    inference); the pooler runs it per text (output_heads/token_classifier.py)."""
 
     body_cls = DebertaV2Model
     supports_first_token_only = False

@@ -7,9 +7,9 @@ ColBERT projections, and per-token classifiers, each over a BERT-family body (mo
                                   compute_token_vectors  → [num_tokens, hidden]     (ColBERT)
         *ForTokenClassification   compute_token_logits   → [num_tokens, num_labels]
 
-The heads run in the pooler (worker/token_poolers.py), per text, on the rows it needs: the body's
-forward is the same for every task, so one BGE-M3 forward pass serves dense, sparse and
-multi-vector requests of the same step.
+The heads run in the pooler (each through its kind's OutputHead: output_heads/), per text, on
+the rows it needs: the body's forward is the same for every task, so one BGE-M3 forward pass
+serves dense, sparse and multi-vector requests of the same step.
 """
 
 from __future__ import annotations

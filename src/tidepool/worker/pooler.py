@@ -4,8 +4,8 @@
                                  └─ALL────▶  per-sequence [len_i, hidden] (token tasks)
     pooled ──embed──▶ Dense modules → normalize → Matryoshka (truncate, renormalize)
            ──classify / score──▶ model.compute_logits → softmax (sigmoid for one label)
-    per-sequence rows ──token_embed, token_classify, embed_sparse──▶ the model head's token
-           pooler (worker/token_poolers.py, by output head and task)
+    per-sequence rows ──token_embed, token_classify, embed_sparse──▶ the token pooler of the
+           model's output head for that task (output_heads/: one OutputHead per kind)
 
 Everything a request's output needs is computed in one batched op per step where possible; the
 per-request loop only slices.
@@ -32,8 +32,8 @@ from torch import nn
 from tidepool.checkpoint.loader import DenseModule
 from tidepool.config import ModelConfig
 from tidepool.models.interfaces import ClassifierHead, EmbeddingPoolingHead, PoolingModel
+from tidepool.output_heads import TokenPooler, get_head
 from tidepool.params import PoolingParams
-from tidepool.worker.token_poolers import TOKEN_POOLERS, TokenPooler, check_head
 
 
 @dataclass(frozen=True)
@@ -168,13 +168,16 @@ class Pooler(nn.Module):
         self.pooling_type = pooling_type
         self._method = POOLING_METHODS[pooling_type] if own is None else own_method(own)
         tasks = model_config.pooling_tasks
-        if "classify" in tasks and not isinstance(model, ClassifierHead):
+        self._classifier = model if isinstance(model, ClassifierHead) else None
+        if "classify" in tasks and self._classifier is None:
             raise TypeError(f"{type(model).__name__} has no classifier head (compute_logits)")
-        check_head(model_config.output_head, model)
-        self._token_poolers: dict[str, TokenPooler] = {
-            task: pooler
-            for (head, task), pooler in TOKEN_POOLERS.items()
-            if head == model_config.output_head and task in tasks
+        head = get_head(model_config.output_head)
+        self._model_kind = head.kind or f"this {model_config.task} model"
+        """What the model is, for refusals ("a SPLADE sparse embedding model")."""
+        self._head_model: Any = head.bind(model)
+        """The model as its output head's protocol types it (checked here, at load)."""
+        self._token_poolers: dict[str, TokenPooler[Any]] = {
+            task: pooler for task, pooler in head.token_poolers.items() if task in tasks
         }
         """Task → the pooler of one text's rows, for the tasks that read every token."""
         self.model = model
@@ -210,7 +213,7 @@ class Pooler(nn.Module):
         """Raise ValueError if this model cannot serve `params` (before any work is done)."""
         if params.task not in self.supported_tasks():
             raise ValueError(
-                f"task {params.task!r} is not supported by this {self.task} model; "
+                f"task {params.task!r} is not supported by {self._model_kind}; "
                 f"supported: {', '.join(self.supported_tasks())}"
             )
         if params.dimensions is not None:
@@ -273,10 +276,11 @@ class Pooler(nn.Module):
             token_pooler = self._token_pooler(p)
             if token_pooler is not None:
                 ids = None if meta.input_ids is None else meta.input_ids[cu[i] : cu[i + 1]]
-                outputs[i] = token_pooler(self, hidden[cu[i] : cu[i + 1]], ids, p)
+                rows = hidden[cu[i] : cu[i + 1]]
+                outputs[i] = token_pooler(self._head_model, self, rows, ids, p)
         return outputs
 
-    def _token_pooler(self, params: PoolingParams) -> TokenPooler | None:
+    def _token_pooler(self, params: PoolingParams) -> TokenPooler[Any] | None:
         return self._token_poolers.get(params.task) if params.task else None
 
     def reads_token_rows(self, params: PoolingParams) -> bool:
@@ -331,7 +335,7 @@ class Pooler(nn.Module):
                 rows = hidden[cu[i] : cu[i + 1]]
                 rows = rows if running[i] is None else torch.cat((running[i], rows))
                 if is_last[i]:
-                    outputs[i] = token_pooler(self, rows, None, p)
+                    outputs[i] = token_pooler(self._head_model, self, rows, None, p)
                 else:
                     new_running[i] = rows
         return outputs, new_running
@@ -342,8 +346,9 @@ class Pooler(nn.Module):
         """pooled [n, hidden] → the head's output per sequence (on the CPU, float32)."""
         head: Callable[[torch.Tensor, PoolingParams], torch.Tensor]
         if self.task == "classify":
+            assert self._classifier is not None  # a classify model has one (checked at load)
             head = self.finish_logits
-            values = self.model.compute_logits(pooled).float()  # type: ignore[union-attr]
+            values = self._classifier.compute_logits(pooled).float()
         else:
             head = self.finish_embedding
             values = self.apply_dense(pooled.float())

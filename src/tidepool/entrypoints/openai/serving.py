@@ -54,6 +54,7 @@ from tidepool.entrypoints.openai.serving_vllm import (
     use_activation_of,
 )
 from tidepool.entrypoints.openai.token_outputs import token_classification_data
+from tidepool.output_heads import get_head
 from tidepool.outputs import BatchInputError, PoolingRequestOutput
 from tidepool.params import PoolingParams, check_pooling_task
 from tidepool.utils.lists import filled
@@ -120,7 +121,8 @@ class OpenAIServing:
 
     def _model_kind(self) -> str:
         kinds = {"classify": "a cross-encoder / classifier", "generate": "a generating model"}
-        return kinds.get(self.model_config.task, "an embedding model")
+        head_kind = get_head(self.model_config.output_head).kind  # a SPLADE, BGE-M3 ... model
+        return head_kind or kinds.get(self.model_config.task, "an embedding model")
 
     # The public surface the other routes' services (serving_cohere.py, serving_tei.py,
     # serving_sparse.py) build on: check_task, pooling_params, run_batch, encode_input,
