@@ -166,7 +166,7 @@ def test_engine_decodes_in_place_and_matches_sdpa(tiny_decoder_llm, monkeypatch)
 
     llm = tiny_decoder_llm("qwen2-hybrid")
     runner = llm.engine.model_runner
-    assert runner.in_place_decode_len == cpu_paged_decode.MAX_QUERY_LEN
+    assert runner.attn_builder.in_place_decode_len == cpu_paged_decode.MAX_QUERY_LEN
     calls = []
     kernel = paged.cpu_paged_decode.paged_decode
 
@@ -179,7 +179,7 @@ def test_engine_decodes_in_place_and_matches_sdpa(tiny_decoder_llm, monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # past the window
     in_place = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert set(calls) == {None, 16}  # both groups' layers decoded in place
-    monkeypatch.setattr(runner, "in_place_decode_len", 0)
+    monkeypatch.setattr(runner.attn_builder, "in_place_decode_len", 0)
     calls.clear()
     sdpa = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls

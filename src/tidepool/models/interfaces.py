@@ -103,6 +103,9 @@ class DecoderModel(Protocol):
     """True: runs over the paged KV cache; prompts may be chunked across steps."""
     default_pooling_type: str
     """The pooling of an embedding decoder when no metadata names one (LAST)."""
+    attention_backend: DecoderAttentionBackend
+    """The backend the layers call (set by the loader; paged SDPA when built by hand): its
+    builder makes the step's metadata, its kv_cache_shape the cache views' shape."""
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
         """Layer name → what it stores per block, in layer order: kv_caches[i] of `forward` is
