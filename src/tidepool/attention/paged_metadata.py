@@ -27,7 +27,7 @@ k <= p (and k > p - sliding_window). Keys past a row's end read the null block o
 the row's last block; both are finite (the cache is zero-initialised), and the mask hides them.
 A sliding-window group gathers from the block of a row's first visible key, not from block 0.
 
-Where the runner says so (CPU, the in-place kernel built: worker/input_batch.py), non-causal rows
+Where the builder says so (CPU, the in-place kernel built: backends/paged_sdpa.py), non-causal rows
 of a few queries (decodes, short prompts, the output rows) skip the buckets altogether
 (split_decode_rows): GroupAttentionMetadata.decode lists them with their block tables and
 lengths, and attention/cpu_paged_decode.py reads their keys from the cache blocks in place, with

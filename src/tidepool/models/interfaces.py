@@ -5,7 +5,7 @@
                            first_token_only) → hidden [num_tokens, hidden] or [num_seqs, hidden]
     DecoderModel   causal, over the paged KV cache the runner owns
                    kv_cache_specs(block_size, dtype); forward(input_ids, positions,
-                           PagedAttentionMetadata, kv_caches) → hidden [num_tokens, hidden]
+                           the backend's step metadata, kv_caches) → hidden [num_tokens, hidden]
     both           is_causal, default_pooling_type; attention_spec(device, dtype) and
                    set_attention_backend(backend): the loader picks the backend once
                    (attention/backend.py), the model calls it
@@ -40,13 +40,13 @@ import torch
 from tidepool.attention.backend import (
     AttentionSpec,
     DecoderAttentionBackend,
+    DecoderStepMetadata,
     EncoderAttentionBackend,
     select_decoder_backend,
     select_encoder_backend,
     with_reduced_precision,
 )
 from tidepool.attention.metadata import EncoderAttentionMetadata
-from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.kv_cache.spec import KVCacheSpec
 
 
@@ -124,7 +124,7 @@ class DecoderModel(Protocol):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: PagedAttentionMetadata,
+        attn_metadata: DecoderStepMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """input_ids / positions: [num_tokens] of the step's scheduled tokens; kv_caches: one
@@ -138,7 +138,7 @@ class DecoderModel(Protocol):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: PagedAttentionMetadata,
+        attn_metadata: DecoderStepMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor: ...
 

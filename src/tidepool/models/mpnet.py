@@ -43,13 +43,13 @@ class MPNetSelfAttention(BertSelfAttention):
         self, x: torch.Tensor, meta: EncoderAttentionMetadata, bias: RelativePositionBias
     ) -> torch.Tensor:
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
-        return self.attention_backend.attend(qkv, meta, self.scale, bias)
+        return self.attn.backend.attend(qkv, meta, self.scale, bias)
 
     def forward_first_tokens(  # type: ignore[override]
         self, x: torch.Tensor, meta: EncoderAttentionMetadata, bias: RelativePositionBias
     ) -> torch.Tensor:
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
-        return self.attention_backend.attend_first_tokens(qkv, meta, self.scale, bias)
+        return self.attn.backend.attend_first_tokens(qkv, meta, self.scale, bias)
 
 
 class MPNetAttention(BertAttention):
