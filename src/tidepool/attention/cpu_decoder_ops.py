@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,16 +33,16 @@ _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_decoder_ops.cpp
 _NAMESPACE = "tidepool_decoder"
 
 _lock = threading.Lock()
-_state: dict[str | None, object] = {}
+_state: dict[str | None, Any] = {}
 
 
-def _compile(isa: str) -> object:
+def _compile(isa: str) -> Any:
     flags = cpu_kernels.isa_cflags(isa, _NAMESPACE)
     cpu_kernels.build_extension(_SOURCE, f"tidepool_decoder_ops_{isa}", flags)
     return getattr(torch.ops, cpu_kernels.namespace(_NAMESPACE, isa))
 
 
-def load(isa: str | None = None) -> object | None:
+def load(isa: str | None = None) -> Any | None:
     """The op namespace of the chosen build (cpu_kernels.chosen_isa: the best the CPU and
     TIDEPOOL_CPU_ISA allow) or of `isa`'s (tests), built and loaded on first call; None where it
     cannot run."""
@@ -79,7 +80,9 @@ def write_kv(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] (rows contiguous) → x / rms(x) * weight, [T, H] contiguous."""
     out = torch.empty(x.shape, dtype=x.dtype)
-    load().rms_norm(x, weight, eps, out)
+    ops = load()
+    assert ops is not None, "check usable() first"
+    ops.rms_norm(x, weight, eps, out)
     return out
 
 
@@ -95,4 +98,6 @@ def qk_norm_rope_(
     """In place on qk [T, Hq + Hk, D] (q heads, then k heads; a view of the QKV output): each
     head RMSNorm-ed (when its weight is given) and rotated; cos / sin [T, rotary_dim // 2]
     float32. In place: a fresh [T, heads, D] output costs page faults at thousands of tokens."""
-    load().qk_norm_rope_(qk, num_q_heads, q_weight, k_weight, eps, cos, sin)
+    ops = load()
+    assert ops is not None, "check usable() first"
+    ops.qk_norm_rope_(qk, num_q_heads, q_weight, k_weight, eps, cos, sin)

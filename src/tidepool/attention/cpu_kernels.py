@@ -9,7 +9,9 @@ queries whose [MASK] expansion is not attended to). Its two products (scores Q·
 in float32 FMAs (`matmul="float32"`, exact: the default) or, where the CPU has AMX-bf16, on bf16
 tiles: "bf16" rounds Q, K, P and V to bf16 once, "bf16x3" splits each into bf16 hi + lo and sums
 three tile products (float32-like accuracy); the softmax stays float32 in every mode
-(MATMULS; which models get which: attention/backend.py). It replaces PyTorch's
+(MATMULS; which models get which: attention/backend.py). Where the CPU has avx512_bf16 but no
+AMX (AMD Zen 4 / 5), "bf16" runs the same rounding on vdpbf16ps dot products and "bf16x3" the
+float32 FMAs (`products`). It replaces PyTorch's
 CPU SDPA for the native encoders because SDPA's flash kernel runs 32- and 64-wide heads as many
 tiny GEMMs (25-60 GFLOP/s here; figures in docs/performance.md). Written by hand deliberately:
 no maintained library offers varlen encoder attention for CPU (vLLM's CPU kernels are part of
@@ -34,6 +36,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,7 +82,7 @@ def isa_cflags(isa: str, base_namespace: str) -> list[str]:
 
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, Any] = {}
 
 
 def _put_ninja_on_path() -> None:
@@ -104,8 +107,9 @@ def build_extension(source: Path, prefix: str, cflags: list[str]) -> None:
     _put_ninja_on_path()
     # The headers beside the source (csrc/*.h) are part of every build's name too.
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode())
-    digest = digest.hexdigest()[:12]
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode()).hexdigest()[
+        :12
+    ]
     load(
         name=f"{prefix}_{digest}",
         sources=[str(source)],
@@ -118,7 +122,7 @@ def build_extension(source: Path, prefix: str, cflags: list[str]) -> None:
     )
 
 
-def _compile(isa: str) -> object:
+def _compile(isa: str) -> Any:
     flags = [*isa_cflags(isa, _NAMESPACE), f"-DTIDEPOOL_MAX_SEQ_LEN={MAX_SEQ_LEN}"]
     build_extension(_SOURCE, f"tidepool_cpu_ops_{isa}", flags)
     return getattr(torch.ops, namespace(_NAMESPACE, isa))
@@ -126,7 +130,7 @@ def _compile(isa: str) -> object:
 
 def build_or_fall_back(
     compile_fn, source_name: str, what: str, fallback: str, isa: str | None
-) -> object | None:
+) -> Any | None:
     """`compile_fn(isa)` where TIDEPOOL_CPU_ATTENTION allows it and `isa` (a build, chosen by
     the caller with cpu_features.best) is not None, else None with one warning line (`what` is
     off, `fallback` runs instead); `=native` makes a failed build an error. Shared by the
@@ -146,7 +150,7 @@ def build_or_fall_back(
     return None
 
 
-def load_isa(isa: str) -> object | None:
+def load_isa(isa: str) -> Any | None:
     """The op namespace of `isa`'s build (BUILD_ISAS), built and loaded on first call, whatever
     TIDEPOOL_CPU_ISA says (tests run each build the CPU can); None where it cannot run."""
     if isa not in _state:
@@ -178,6 +182,30 @@ def load():
                 )
         return _state[key]
     return load_isa(isa)
+
+
+DOT_BF16 = 3
+"""The op's code for "bf16" with the products on AVX512-BF16 vdpbf16ps (no AMX)."""
+
+
+def dot_bf16_available() -> bool:
+    """Whether the kernel runs "bf16" on vdpbf16ps here (the CPU has avx512_bf16, and
+    TIDEPOOL_CPU_ISA does not cap the kernels below avx512_bf16)."""
+    ops = load()
+    if ops is None or not cpu_features.usable("avx512_bf16"):
+        return False
+    return bool(ops.dot_bf16_available())
+
+
+def products(matmul: str) -> str:
+    """Where a MATMULS mode's products run here: "amx" (AMX-bf16 tiles), "avx512_bf16"
+    ("bf16" on vdpbf16ps, CPUs with avx512_bf16 and no AMX) or "float32" (FMAs: the float32
+    mode, and bf16x3 without AMX, whose float32-like accuracy the float32 FMAs give exactly)."""
+    if matmul == "float32":
+        return "float32"
+    if amx_bf16_available():
+        return "amx"
+    return "avx512_bf16" if matmul == "bf16" and dot_bf16_available() else "float32"
 
 
 def amx_bf16_available() -> bool:
@@ -224,12 +252,12 @@ def encoder_attention(
     sequence's first query only, in sequence order. `bias` (relative_bias.py) is added to the
     scores inside the kernel, read by key - query distance. `key_lens` ([num_seqs] int64, each
     in 1..seq_lens[i]): sequence i's keys are its first key_lens[i] rows; None: all its rows.
-    `matmul`: a MATMULS mode (the AMX ones run float32 where amx_bf16_available() is False).
+    `matmul`: a MATMULS mode, run where products(matmul) says.
     `isa`: run that build (BUILD_ISAS; tests), not the chosen one."""
     ops = load() if isa is None else load_isa(isa)
     assert ops is not None, "check supports() first"
-    if matmul != "float32" and not amx_bf16_available():
-        matmul = "float32"  # also where TIDEPOOL_CPU_ISA caps the kernels below amx
+    path = products(matmul)  # also where TIDEPOOL_CPU_ISA caps the kernels
+    code = {"amx": MATMULS[matmul], "avx512_bf16": DOT_BF16, "float32": 0}[path]
     num_tokens, num_heads, head_dim = q.shape
     if first_token_only:
         out = q.new_empty(seq_starts.shape[0], num_heads * head_dim)
@@ -250,7 +278,7 @@ def encoder_attention(
         table,
         offset,
         key_lens,
-        MATMULS[matmul],
+        code,
         out,
     )
     return out

@@ -18,7 +18,7 @@ from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAtte
 from tidepool.attention.layer import Attention, AttentionModel
 from tidepool.attention.metadata import EncoderAttentionMetadata, first_token_slots, pad_buckets
 from tidepool.models.layers.linear import Linear
-from tidepool.models.weights import load_fused_weights
+from tidepool.models.weights import equal_thirds, load_fused_weights, qkv_markers
 
 
 def roberta_position_offset(config) -> int:
@@ -244,7 +244,7 @@ class BertModel(AttentionModel, nn.Module):
         return name.replace(".gamma", ".weight").replace(".beta", ".bias")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, equal_thirds)
 
 
 class RobertaModel(BertModel):
@@ -297,7 +297,7 @@ class EncoderWithHead(AttentionModel, nn.Module):
         return None if mapped is None else "body." + mapped
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, equal_thirds)
 
 
 class BertForSequenceClassification(EncoderWithHead):
@@ -348,14 +348,4 @@ class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
     body_cls = XLMRobertaModel
 
 
-_QKV = {
-    ".attention.self.query.": (".attention.self.qkv.", 0),
-    ".attention.self.key.": (".attention.self.qkv.", 1),
-    ".attention.self.value.": (".attention.self.qkv.", 2),
-}
-
-
-def _qkv_thirds(module: nn.Module, fused_name: str) -> list[int]:
-    """Rows of the query, key and value shards of a fused `qkv` parameter (equal heads)."""
-    rows = module.get_parameter(fused_name).shape[0]
-    return [rows // 3] * 3
+_QKV = qkv_markers(".attention.self.", "query", "key", "value")

@@ -97,15 +97,12 @@ TWO_PART_LINEARS: tuple[str, ...] = (
 )
 """The linears whose weights are two-part int8 (W ≈ s·(hi + lo/254), two int8 GEMMs: ~15-bit
 weights): every linear but the attention output (BERT family: QKV, FFN up, FFN down; T5: qkv,
-wi / wi_0 / wi_1, wo), 92% of MiniLM's linear FLOPs. all-MiniLM-L6-v2, 1,000 corpus texts on two
-text sets, top-10 overlap (simulated asymmetric inputs): 0.955 / 0.958 (every linear two-part:
-0.959 / 0.957; QKV + attention output + FFN down, 67%: 0.951 / 0.949; QKV + FFN down, 58%:
-0.949 / 0.952; none: 0.935 / 0.935): docs/performance.md, "int8", round three."""
+wi / wi_0 / wi_1, wo), 92% of MiniLM's linear FLOPs; the choice against the other subsets, by
+top-10 overlap on the corpus: docs/performance.md, "int8", round three."""
 
 TWO_PART_ALPHA = 0.8
 """SmoothQuant's alpha on the smoothed two-part linears (QKV, FFN up): two-part weights take the
-inputs' outliers at no loss. Every linear two-part, top-10 overlap 0.953 / 0.954 at 0.5, 0.959 /
-0.957 at 0.8, 0.956 / 0.954 at 1.0."""
+inputs' outliers at no loss (alpha against 0.5 and 1.0: docs/performance.md, "int8")."""
 
 
 def matches_linears(name: str, patterns: tuple[str, ...]) -> bool:

@@ -25,7 +25,7 @@ class CpuKernelBackend(EncoderAttentionBackend):
         return cpu_kernels.supports(spec.device, spec.dtype, spec.head_dim, spec.max_positions)
 
     def for_spec(self, spec: AttentionSpec) -> EncoderAttentionBackend:
-        if spec.matmul == "float32" or not cpu_kernels.amx_bf16_available():
+        if cpu_kernels.products(spec.matmul) == "float32":
             return CPU_KERNEL
         return CPU_KERNEL_AMX[spec.matmul]
 
@@ -47,7 +47,8 @@ class CpuKernelBackend(EncoderAttentionBackend):
         return _kernel(q, k, v, meta, scale, matmul=self.matmul)
 
     def __repr__(self) -> str:
-        suffix = "" if self.matmul == "float32" else f" ({self.matmul} on AMX)"
+        path = cpu_kernels.products(self.matmul)
+        suffix = "" if path == "float32" else f" ({self.matmul} on {path})"
         return f"<{self.name} attention{suffix}>"
 
 
