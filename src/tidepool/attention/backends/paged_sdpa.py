@@ -72,9 +72,11 @@ class PagedSdpaBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         self.causal_max_len = causal_row_max_len(self.specs)
         self.in_place_decode_len = 0
         """Rows of at most this many queries read the KV cache in place (0: every row in SDPA
-        buckets): cpu_paged_decode.MAX_QUERY_LEN where its kernel runs every view's cache."""
+        buckets): cpu_paged_decode.max_query_len where its kernel runs every view's cache."""
         if all(cpu_paged_decode.supports(device, s.dtype, s.head_size) for s in self.specs):
-            self.in_place_decode_len = cpu_paged_decode.MAX_QUERY_LEN
+            self.in_place_decode_len = min(
+                cpu_paged_decode.max_query_len(s.head_size) for s in self.specs
+            )
 
     def build(self, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
         context_lens, query_lens = common.context_lens, common.query_lens
