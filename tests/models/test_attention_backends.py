@@ -254,7 +254,7 @@ def test_native_bodies_and_gemma_declare_their_contracts():
     assert isinstance(gemma, DecoderModel) and isinstance(gemma, LanguageModelHead)
     assert gemma.attention_spec(CPU, F32).head_dim == 8
     gemma.set_attention_backend(PAGED_SDPA)
-    assert all(layer.self_attn.attention_backend is PAGED_SDPA for layer in gemma.model.layers)
+    assert all(layer.self_attn.attn.backend is PAGED_SDPA for layer in gemma.model.layers)
 
 
 def test_transformers_backend_models_declare_their_contracts(tiny_model_path, tiny_decoder_path):

@@ -244,4 +244,4 @@ def test_attach_gives_bfloat16_and_int8_models_their_matmul(monkeypatch):
         assert isinstance(got, b.CpuKernelBackend)
         expected = b.REDUCED_MATMUL[dtype] if expect_amx and amx else "float32"
         assert got.matmul == expected, (dtype, reduced, got)
-        assert model.encoder.layer[0].attention.self.attention_backend is got
+        assert model.encoder.layer[0].attention.self.attn.backend is got

@@ -232,7 +232,7 @@ def test_engine_decodes_in_place_and_matches_sdpa(decode_isa, tiny_decoder_llm, 
 
     llm = tiny_decoder_llm("qwen2-hybrid")
     runner = llm.engine.model_runner
-    assert runner.in_place_decode_len == cpu_paged_decode.max_query_len(
+    assert runner.attn_builder.in_place_decode_len == cpu_paged_decode.max_query_len(
         runner.attention_views[0][1].head_size
     )
     calls = []
@@ -247,7 +247,7 @@ def test_engine_decodes_in_place_and_matches_sdpa(decode_isa, tiny_decoder_llm, 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # past the window
     in_place = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert set(calls) == {None, 16}  # both groups' layers decoded in place
-    monkeypatch.setattr(runner, "in_place_decode_len", 0)
+    monkeypatch.setattr(runner.attn_builder, "in_place_decode_len", 0)
     calls.clear()
     sdpa = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls
@@ -283,7 +283,7 @@ def test_engine_long_rows_in_place_match_sdpa(decode_isa, tmp_path, monkeypatch)
         enable_prefix_caching=False,
     )  # fmt: skip
     runner = llm.engine.model_runner
-    assert runner.in_place_decode_len == cpu_paged_decode.LONG_ROW_QUERY_LEN
+    assert runner.attn_builder.in_place_decode_len == cpu_paged_decode.LONG_ROW_QUERY_LEN
     query_lens: list[int] = []
     kernel = paged.cpu_paged_decode.paged_decode
 
@@ -300,7 +300,7 @@ def test_engine_long_rows_in_place_match_sdpa(decode_isa, tmp_path, monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     in_place = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert max(query_lens) >= 40  # long rows took the kernel
-    monkeypatch.setattr(runner, "in_place_decode_len", 0)
+    monkeypatch.setattr(runner.attn_builder, "in_place_decode_len", 0)
     query_lens.clear()
     sdpa = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not query_lens

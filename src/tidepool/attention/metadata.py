@@ -29,6 +29,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tidepool.attention.common import AttentionMetadataBuilder, CommonAttentionMetadata
+
 # A bucket's padded attention scores stay below this many elements (bounds memory).
 _MAX_BUCKET_SCORE_ELEMS = 1 << 26
 
@@ -215,3 +217,22 @@ def first_token_slots(meta: EncoderAttentionMetadata) -> torch.Tensor:
     """
     device = meta.cu_seqlens.device
     return torch.cat([torch.arange(b.start, b.end, b.max_len, device=device) for b in meta.buckets])
+
+
+class EncoderBucketsBuilder(AttentionMetadataBuilder[EncoderAttentionMetadata]):
+    """The encoder step's buckets, lengths and key counts (build_encoder_metadata): the builder
+    of the bucketed SDPA backend, and of the CPU kernel (it reads the lengths; the layers it
+    cannot take, a head width it was not built for or a sliding window, fall back to the
+    buckets)."""
+
+    def build(self, common: CommonAttentionMetadata) -> EncoderAttentionMetadata:
+        return build_encoder_metadata(
+            common.seq_lens,
+            common.device,
+            num_heads=common.num_heads,
+            dtype=common.dtype,
+            key_lens=common.key_lens,
+        )
+
+
+ENCODER_BUCKETS = EncoderBucketsBuilder()

@@ -17,6 +17,8 @@ block_size, head_size] needs a second copy to bring heads forward and takes 9 ms
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -189,11 +191,21 @@ def _attend_bucket(
 # ----------------------------------------------------------------------------- cache tensors
 
 
+def head_major_shape(num_blocks: int, spec: KVCacheSpec) -> tuple[int, ...]:
+    """This module's layout (the module docstring): [2, num_kv_heads, num_blocks, block_size,
+    head_size]."""
+    return (2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_size)
+
+
 def allocate_kv_caches(
-    kv_config: KVCacheConfig, layer_specs: dict[str, KVCacheSpec | None], device: torch.device
+    kv_config: KVCacheConfig,
+    layer_specs: dict[str, KVCacheSpec | None],
+    device: torch.device,
+    cache_shape: Callable[[int, KVCacheSpec], tuple[int, ...]] = head_major_shape,
 ) -> dict[str, torch.Tensor]:
-    """One zeroed buffer per KV-cache tensor slot; each layer sharing it gets a
-    [2, num_kv_heads, num_blocks, block_size, head_size] view.
+    """One zeroed buffer per KV-cache tensor slot; each layer sharing it gets a view of the
+    shape its backend lays the cache out in (`cache_shape(num_blocks, spec)`: the decoder
+    backend's kv_cache_shape; the paged SDPA backend's is head_major_shape).
 
     Layers that share a buffer must agree on num_kv_heads and head_size bytes, so that block b is
     the same bytes in every view (true for the hybrid models we know: Gemma 2/3, GPT-OSS).
@@ -213,9 +225,7 @@ def allocate_kv_caches(
                     f"layers {tensor.shared_by} share a KV-cache tensor but differ in KV heads or "
                     "head size; the head-major layout needs them equal"
                 )
-            caches[name] = buffer.view(spec.dtype).view(
-                2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_size
-            )
+            caches[name] = buffer.view(spec.dtype).view(cache_shape(num_blocks, spec))
     return caches
 
 

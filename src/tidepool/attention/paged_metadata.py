@@ -27,7 +27,7 @@ k <= p (and k > p - sliding_window). Keys past a row's end read the null block o
 the row's last block; both are finite (the cache is zero-initialised), and the mask hides them.
 A sliding-window group gathers from the block of a row's first visible key, not from block 0.
 
-Where the runner says so (CPU, the in-place kernel built: worker/input_batch.py), non-causal rows
+Where the builder says so (CPU, the in-place kernel built: backends/paged_sdpa.py), non-causal rows
 of a few queries (decodes, short prompts, the output rows) skip the buckets altogether
 (split_decode_rows): GroupAttentionMetadata.decode lists them with their block tables and
 lengths, and attention/cpu_paged_decode.py reads their keys from the cache blocks in place, with
@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from tidepool.attention.common import slot_mapping_of
 from tidepool.kv_cache.spec import KVCacheSpec, SlidingWindowSpec
 
 # Queries of one row at most: a longer prefill chunk is cut into tiles of this many tokens,
@@ -259,14 +260,16 @@ def build_group_metadata(
     device: torch.device,
     decode_rows: Sequence[AttentionRow] = (),
     block_table_i32: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> GroupAttentionMetadata:
     """block_table: [num_requests, max_blocks] int64 (0-padded); token_request / positions:
     [num_tokens] request index and position of each flat token (CPU tensors). `decode_rows`:
     rows (not in `rows`) for the in-place kernel (split_decode_rows); `block_table_i32`, the
-    same table as int32, saves converting it again for each group view."""
+    same table as int32, saves converting it again for each group view; `slot_mapping` (on the
+    device), the step's, when the caller has it (common.KVGroupStep)."""
     block_size = spec.block_size
-    block_ids = block_table[token_request, torch.div(positions, block_size, rounding_mode="floor")]
-    slot_mapping = block_ids * block_size + positions % block_size
+    if slot_mapping is None:
+        slot_mapping = slot_mapping_of(block_table, token_request, positions, block_size, device)
     window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
     buckets = tuple(
         _make_bucket(rows[i:j], block_table, spec.num_kv_heads, block_size, window, dtype, device)
@@ -277,7 +280,7 @@ def build_group_metadata(
         if block_table_i32 is None:
             block_table_i32 = block_table.to(torch.int32)
         decode = _decode_rows(decode_rows, block_table_i32, window)
-    return GroupAttentionMetadata(slot_mapping.to(device, non_blocking=True), buckets, decode)
+    return GroupAttentionMetadata(slot_mapping, buckets, decode)
 
 
 def split_decode_rows(

@@ -7,8 +7,9 @@ softmax, PV) by 1.1x-1.2x in float32 and 1.3x-1.5x in bfloat16 for long buckets 
 softmax stays in cache where [len, len] score matrices do not), and tied on short ones; a
 per-sequence SDPA loop costs ~0.2 ms of framework overhead per call.
 
-These functions are the `bucketed_sdpa` backend (backend.py); `encoder_attention_heads` also runs
-the sliding-window layers of the transformers backend's encoders under any backend.
+These functions are the `bucketed_sdpa` backend (backends/bucketed_sdpa.py);
+`encoder_attention_heads` also runs the sliding-window layers of the transformers backend's
+encoders under any backend.
 """
 
 from __future__ import annotations

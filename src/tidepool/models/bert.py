@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
+from tidepool.attention.layer import Attention, AttentionModel
 from tidepool.attention.metadata import EncoderAttentionMetadata, first_token_slots, pad_buckets
 from tidepool.models.layers.linear import Linear
 from tidepool.models.weights import equal_thirds, load_fused_weights, qkv_markers
@@ -74,17 +75,16 @@ class BertSelfAttention(nn.Module):
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scale = self.head_dim**-0.5
         self.qkv = Linear(config.hidden_size, 3 * config.hidden_size)
-        self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
-        """Set by BertModel.set_attention_backend (the loader's choice)."""
+        self.attn = Attention(BUCKETED_SDPA)
 
     def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
-        return self.attention_backend.attend(qkv, meta, self.scale)
+        return self.attn.backend.attend(qkv, meta, self.scale)
 
     def forward_first_tokens(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
         """x: [num_slots, hidden] → [num_seqs, hidden]: queries at each sequence's first slot."""
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
-        return self.attention_backend.attend_first_tokens(qkv, meta, self.scale)
+        return self.attn.backend.attend_first_tokens(qkv, meta, self.scale)
 
 
 class BertDenseLayerNorm(nn.Module):
@@ -172,7 +172,7 @@ class BertEncoder(nn.Module):
         return self.layer[-1].forward_first_tokens(x, meta, first_slots)
 
 
-class BertModel(nn.Module):
+class BertModel(AttentionModel, nn.Module):
     """The encoder body: packed token ids → hidden states [num_tokens, hidden] (an EncoderModel,
     models/interfaces.py)."""
 
@@ -199,11 +199,6 @@ class BertModel(nn.Module):
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         return AttentionSpec(device, dtype, head_dim, self.config.max_position_embeddings)
-
-    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
-        self.attention_backend = backend
-        for layer in self.encoder.layer:
-            layer.attention.self.attention_backend = backend
 
     def forward(
         self,
@@ -261,7 +256,7 @@ class XLMRobertaModel(RobertaModel):
     pass
 
 
-class EncoderWithHead(nn.Module):
+class EncoderWithHead(AttentionModel, nn.Module):
     """An encoder body plus a head (sequence or token classifier, MLM, projections): the
     EncoderModel members delegate to the body; subclasses add the head's layers, name them in
     `head_names` and give `compute_logits` (or the head's own outputs)."""
@@ -284,9 +279,6 @@ class EncoderWithHead(nn.Module):
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
         return self.body.attention_spec(device, dtype)
-
-    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
-        self.body.set_attention_backend(backend)
 
     def forward(
         self,

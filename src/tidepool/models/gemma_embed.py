@@ -35,6 +35,7 @@ from torch import nn
 
 from tidepool.attention import torch_backend
 from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
+from tidepool.attention.layer import Attention, AttentionModel
 from tidepool.attention.metadata import EncoderAttentionMetadata, pad_buckets
 from tidepool.models.gemma import GeGLU, Gemma3Attention, GemmaRMSNorm, _local_rope_config
 from tidepool.models.layers.rotary import RotaryEmbedding, apply_rotary
@@ -48,12 +49,9 @@ BandMasks = dict[tuple[int, int], torch.Tensor]
 class GemmaEncoderAttention(Gemma3Attention):
     """Gemma 3's projections and q/k norms, attending bidirectionally over packed sequences."""
 
-    attention_backend: EncoderAttentionBackend  # type: ignore[assignment]
-
     def __init__(self, config: Any, layer_index: int) -> None:
         super().__init__(config, layer_index)
-        self.attention_backend = BUCKETED_SDPA
-        """Set by Gemma3TextEncoderModel.set_attention_backend (the loader's choice)."""
+        self.attn = Attention(BUCKETED_SDPA)
 
     def forward(  # type: ignore[override]
         self,
@@ -76,7 +74,7 @@ class GemmaEncoderAttention(Gemma3Attention):
                 q, k, v, meta, self.scale, window, band_masks
             )
         else:
-            out = self.attention_backend.attend_heads(q, k, v, meta, self.scale)
+            out = self.attn.backend.attend_heads(q, k, v, meta, self.scale)
         return self.o_proj(out)
 
 
@@ -103,7 +101,7 @@ class GemmaEncoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))).add_(x)
 
 
-class Gemma3TextEncoderModel(nn.Module):
+class Gemma3TextEncoderModel(AttentionModel, nn.Module):
     """EmbeddingGemma's body: packed token ids → final-norm hidden states [num_tokens, hidden]
     (an EncoderModel, models/interfaces.py). Checkpoint names are Gemma3TextModel's."""
 
@@ -130,11 +128,6 @@ class Gemma3TextEncoderModel(nn.Module):
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
         max_positions = int(getattr(self.config, "max_position_embeddings", 0) or 0)
         return AttentionSpec(device, dtype, _head_size(self.config), max_positions)
-
-    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
-        self.attention_backend = backend
-        for layer in self.layers:
-            layer.self_attn.attention_backend = backend
 
     def forward(
         self,

@@ -5,7 +5,7 @@
                            first_token_only) → hidden [num_tokens, hidden] or [num_seqs, hidden]
     DecoderModel   causal, over the paged KV cache the runner owns
                    kv_cache_specs(block_size, dtype); forward(input_ids, positions,
-                           PagedAttentionMetadata, kv_caches) → hidden [num_tokens, hidden]
+                           the backend's step metadata, kv_caches) → hidden [num_tokens, hidden]
     both           is_causal, default_pooling_type; attention_spec(device, dtype) and
                    set_attention_backend(backend): the loader picks the backend once
                    (attention/backend.py), the model calls it
@@ -40,13 +40,13 @@ import torch
 from tidepool.attention.backend import (
     AttentionSpec,
     DecoderAttentionBackend,
+    DecoderStepMetadata,
     EncoderAttentionBackend,
     select_decoder_backend,
     select_encoder_backend,
     with_reduced_precision,
 )
 from tidepool.attention.metadata import EncoderAttentionMetadata
-from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.kv_cache.spec import KVCacheSpec
 
 
@@ -103,6 +103,9 @@ class DecoderModel(Protocol):
     """True: runs over the paged KV cache; prompts may be chunked across steps."""
     default_pooling_type: str
     """The pooling of an embedding decoder when no metadata names one (LAST)."""
+    attention_backend: DecoderAttentionBackend
+    """The backend the layers call (set by the loader; paged SDPA when built by hand): its
+    builder makes the step's metadata, its kv_cache_shape the cache views' shape."""
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
         """Layer name → what it stores per block, in layer order: kv_caches[i] of `forward` is
@@ -121,7 +124,7 @@ class DecoderModel(Protocol):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: PagedAttentionMetadata,
+        attn_metadata: DecoderStepMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """input_ids / positions: [num_tokens] of the step's scheduled tokens; kv_caches: one
@@ -135,7 +138,7 @@ class DecoderModel(Protocol):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: PagedAttentionMetadata,
+        attn_metadata: DecoderStepMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor: ...
 

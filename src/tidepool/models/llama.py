@@ -19,6 +19,7 @@ from torch import nn
 
 from tidepool.attention import cpu_decoder_ops
 from tidepool.attention.backend import PAGED_SDPA, AttentionSpec, DecoderAttentionBackend
+from tidepool.attention.layer import Attention, AttentionModel
 from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from tidepool.models.layers.linear import Linear
@@ -63,8 +64,7 @@ class DecoderAttention(nn.Module):
         # Attention-logit soft-capping (Gemma 2): scores → softcap * tanh(scores / softcap).
         self.softcap: float | None = None
         self.sliding_window = _layer_window(config, layer_index)
-        self.attention_backend: DecoderAttentionBackend = PAGED_SDPA
-        """Set by LlamaModel.set_attention_backend (the loader's choice)."""
+        self.attn = Attention(PAGED_SDPA)
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = attention_bias if self.qkv_bias is None else False
@@ -132,9 +132,7 @@ class DecoderAttention(nn.Module):
         if output_rows is not None:
             q = q.index_select(0, output_rows)
             meta = attn_metadata.for_output_rows(self.layer_index)
-        return self.attention_backend.paged_attention(
-            q, k, v, kv_cache, meta, self.scale, self.softcap
-        )
+        return self.attn.backend.paged_attention(q, k, v, kv_cache, meta, self.scale, self.softcap)
 
     def _norm_rope_fused(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -230,7 +228,7 @@ _STACKED = {
 }
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(AttentionModel, nn.Module):
     """The decoder body: packed token ids → final-norm hidden states [num_tokens, hidden] (a
     DecoderModel, models/interfaces.py)."""
 
@@ -256,11 +254,6 @@ class LlamaModel(nn.Module):
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
         max_positions = int(getattr(self.config, "max_position_embeddings", 0) or 0)
         return AttentionSpec(device, dtype, _head_size(self.config), max_positions)
-
-    def set_attention_backend(self, backend: DecoderAttentionBackend) -> None:
-        self.attention_backend = backend
-        for layer in self.layers:
-            layer.self_attn.attention_backend = backend
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
         """Layer name → what it stores per block (in layer order: index i = self.layers[i])."""
@@ -302,7 +295,7 @@ class LlamaModel(nn.Module):
         return load_fused_weights(self, weights, self.map_weight_name, _STACKED, _shard_sizes)
 
 
-class DecoderWithHead(nn.Module):
+class DecoderWithHead(AttentionModel, nn.Module):
     """A decoder body (`model`, named as in the checkpoints) plus a head on its last hidden
     states: the DecoderModel members delegate to the body; subclasses add the head."""
 
@@ -321,9 +314,6 @@ class DecoderWithHead(nn.Module):
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
         return self.model.attention_spec(device, dtype)
-
-    def set_attention_backend(self, backend: DecoderAttentionBackend) -> None:
-        self.model.set_attention_backend(backend)
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec | None]:
         return self.model.kv_cache_specs(block_size, dtype)

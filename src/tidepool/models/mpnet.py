@@ -47,7 +47,7 @@ class MPNetSelfAttention(BertSelfAttention):
     ) -> torch.Tensor:
         assert bias is not None, "MPNet's attention needs its relative position bias"
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
-        return self.attention_backend.attend(qkv, meta, self.scale, bias)
+        return self.attn.backend.attend(qkv, meta, self.scale, bias)
 
     def forward_first_tokens(
         self,
@@ -57,7 +57,7 @@ class MPNetSelfAttention(BertSelfAttention):
     ) -> torch.Tensor:
         assert bias is not None, "MPNet's attention needs its relative position bias"
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
-        return self.attention_backend.attend_first_tokens(qkv, meta, self.scale, bias)
+        return self.attn.backend.attend_first_tokens(qkv, meta, self.scale, bias)
 
 
 class MPNetAttention(BertAttention):

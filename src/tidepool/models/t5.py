@@ -24,7 +24,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
+from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec
+from tidepool.attention.layer import Attention
 from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.attention.relative_bias import RelativePositionBias, bidirectional_bucket
 from tidepool.models.bert import BertModel
@@ -45,8 +46,7 @@ class T5SelfAttention(nn.Module):
         inner = self.num_heads * self.head_dim  # may differ from d_model
         self.qkv = Linear(config.d_model, 3 * inner, bias=False)
         self.o = Linear(inner, config.d_model, bias=False)
-        self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
-        """Set by T5EncoderModel.set_attention_backend (the loader's choice)."""
+        self.attn = Attention(BUCKETED_SDPA)
 
     def forward(
         self,
@@ -57,7 +57,7 @@ class T5SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """x: the normed states [num_slots, d_model] → residual + attention output."""
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
-        context = self.attention_backend.attend(qkv, meta, 1.0, bias)  # T5: unscaled scores
+        context = self.attn.backend.attend(qkv, meta, 1.0, bias)  # T5: unscaled scores
         return self.o(context, residual=residual)
 
 
@@ -187,11 +187,6 @@ class T5EncoderModel(BertModel):
         return AttentionSpec(
             device, dtype, self.config.d_kv, int(max_positions or DEFAULT_MAX_POSITIONS)
         )
-
-    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
-        self.attention_backend = backend
-        for block in self.encoder.block:
-            block.layer[0].SelfAttention.attention_backend = backend
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → ours: the (tied) shared embeddings, the encoder's blocks, the first

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from tidepool import envs
-from tidepool.attention.metadata import build_encoder_metadata
+from tidepool.attention.common import encoder_step
 from tidepool.models.layers.linear import Linear
 from tidepool.quantization.chains import link_handoffs
 from tidepool.quantization.int8_linear import (
@@ -374,10 +374,10 @@ def _forward(model: nn.Module, sequences: list[torch.Tensor]) -> torch.Tensor:
     orders a step)."""
     seq_lens = [len(s) for s in sequences]
     positions = torch.cat([torch.arange(n) for n in seq_lens])
-    meta = build_encoder_metadata(
-        seq_lens, torch.device("cpu"), num_heads=model.config.num_attention_heads,
-        dtype=torch.float32,
-    )  # fmt: skip
+    step = encoder_step(
+        seq_lens, torch.device("cpu"), torch.float32, model.config.num_attention_heads
+    )
+    meta = model.attention_backend.metadata_builder().build(step)
     with torch.inference_mode():
         return model(torch.cat(sequences), positions, meta)
 

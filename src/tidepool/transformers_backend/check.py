@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidepool.attention.metadata import build_encoder_metadata
+from tidepool.attention.common import encoder_step
 from tidepool.config import ModelConfig
 from tidepool.models.interfaces import EmbeddingPoolingHead
 from tidepool.transformers_backend.backend import build_transformers_model
@@ -63,7 +63,8 @@ def dry_forward(model: nn.Module, config: ModelConfig) -> None:
     it runs in the model's dtype (the comparison ran in float32)."""
     ids = _token_ids(config.hf_config, 8, torch.Generator().manual_seed(_SEED)).to(config.device)
     positions = torch.arange(8, device=config.device)
-    meta = build_encoder_metadata([8], config.device, num_heads=_heads(config), dtype=config.dtype)
+    step = encoder_step([8], config.device, config.dtype, _heads(config))
+    meta = model.attention_backend.metadata_builder().build(step)
     with torch.inference_mode():
         hidden = model(ids, positions, meta)
         if config.task == "classify" and config.output_head == "task":
@@ -76,13 +77,11 @@ def _compare(
     device = config.device
     ids = torch.cat(seqs)
     positions = torch.cat([torch.arange(n, device=device) for n in CHECK_LENGTHS])
-    meta = build_encoder_metadata(
-        list(CHECK_LENGTHS), device, num_heads=_heads(config), dtype=torch.float32
-    )
-    ours = model(ids, positions, meta)
+    step = encoder_step(list(CHECK_LENGTHS), device, torch.float32, _heads(config))
+    ours = model(ids, positions, model.attention_backend.metadata_builder().build(step))
     pooled = None
     if config.task == "embed" and isinstance(model, EmbeddingPoolingHead):
-        pooled = model.pool_embeddings(ours, meta.cu_seqlens, ids)
+        pooled = model.pool_embeddings(ours, step.query_start_loc.to(device), ids)
     if config.task == "classify" and config.output_head == "task":
         model.compute_logits(ours[:1])  # the head runs on our pooled states (HF's code)
     with _eager_attention(hf_model):

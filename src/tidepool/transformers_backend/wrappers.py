@@ -30,6 +30,7 @@ from tidepool.attention.backend import (
     DecoderAttentionBackend,
     EncoderAttentionBackend,
 )
+from tidepool.attention.layer import AttentionModel
 from tidepool.attention.metadata import EncoderAttentionMetadata, pad_buckets
 from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.config import ModelConfig
@@ -192,7 +193,7 @@ def _embeddings_in_chunks(hf_model: nn.Module, limit: int) -> None:
     parent.forward = forward_in_chunks
 
 
-class TransformersEncoderModel(nn.Module):
+class TransformersEncoderModel(AttentionModel, nn.Module):
     """A HF encoder on the packed batch (no KV cache): bidirectional, or causal where its layers
     ask for it (CLIP's text tower)."""
 
@@ -224,9 +225,6 @@ class TransformersEncoderModel(nn.Module):
         )
         max_len = int(getattr(config, "max_position_embeddings", 0) or 0)
         return AttentionSpec(device, dtype, head_dim, max_len or cpu_kernels.MAX_SEQ_LEN)
-
-    def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
-        self.attention_backend = backend
 
     def forward(
         self,
@@ -344,7 +342,7 @@ class TransformersEosPooledEncoder(EosPooling, TransformersEncoderModel):
         self._init_eos_pooling(hf_model)
 
 
-class TransformersDecoderModel(nn.Module):
+class TransformersDecoderModel(AttentionModel, nn.Module):
     """A causal HF decoder over the paged KV cache (chunked prefill, prefix caching)."""
 
     is_causal: ClassVar[bool] = True
@@ -367,9 +365,6 @@ class TransformersDecoderModel(nn.Module):
         max_len = int(getattr(self.hf_model.config, "max_position_embeddings", 0) or 0)
         head_size = self._layers[0].head_size  # as the layers pass it (the probe)
         return AttentionSpec(device, dtype, head_size, max_len or self.max_model_len)
-
-    def set_attention_backend(self, backend: DecoderAttentionBackend) -> None:
-        self.attention_backend = backend
 
     @staticmethod
     @torch.inference_mode()

@@ -1,9 +1,11 @@
-"""A causal step's flat batch: token ids, positions and the paged-attention metadata, built once.
+"""A causal step's flat batch: token ids, positions and the attention metadata, built once.
 
-Requests are laid out decodes first (longest context first), then prefill chunks (longest chunk
-first), so that neighbours have similar shapes and attention runs them as a few padded buckets
-(see attention/paged_metadata.py). Everything per token is computed with tensor ops; Python loops
-run over requests only.
+The runner describes the step's attention once, neutrally (attention/common.py: lengths, query
+start locations, block tables, slot mapping); the decoder backend's builder turns that into its
+own metadata. Requests are laid out decodes first (longest context first), then prefill chunks
+(longest chunk first), so that neighbours have similar shapes (a bucketing backend pads them
+little: attention/paged_metadata.py). Everything per token is computed with tensor ops; Python
+loops run over requests only.
 """
 
 from __future__ import annotations
@@ -11,24 +13,20 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
-from tidepool.attention.paged_metadata import (
-    AttentionRow,
-    AttentionView,
-    PagedAttentionMetadata,
-    build_group_metadata,
-    causal_row_max_len,
-    output_rows_of,
-    plan_buckets,
-    split_decode_rows,
-    split_rows,
+from tidepool.attention.abstract import DecoderStepMetadata
+from tidepool.attention.common import (
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    KVGroupStep,
+    slot_mapping_of,
 )
+from tidepool.attention.paged_metadata import AttentionView
 from tidepool.core.sched_output import SchedulerOutput
-from tidepool.kv_cache.spec import KVCacheSpec
 from tidepool.request import Request
 
 
@@ -93,7 +91,8 @@ class CausalBatch:
     positions: torch.Tensor
     cu_query_lens: torch.Tensor
     """[num_requests + 1] int64 on the device: request i is flat tokens cu[i]:cu[i+1]."""
-    attn_metadata: PagedAttentionMetadata
+    attn_metadata: DecoderStepMetadata
+    """The decoder backend's metadata (its builder's, from the step's neutral description)."""
     reaches_end: list[bool]
     """The scheduled tokens reach the request's last token: sample (or finish pooling) now."""
 
@@ -112,17 +111,15 @@ def build_causal_batch(
     states: RequestStates,
     views: Sequence[AttentionView],
     layer_views: tuple[int, ...],
+    builder: AttentionMetadataBuilder[DecoderStepMetadata],
     dtype: torch.dtype,
     device: torch.device,
-    max_pad_fraction: float,
     output_rows_only: bool = False,
-    in_place_decode_len: int = 0,
 ) -> CausalBatch:
-    """`output_rows_only`: the step reads only finishing requests' last tokens (sampling, LAST
-    pooling): the metadata carries them (PagedAttentionMetadata.output_rows).
-    `in_place_decode_len`: rows of at most this many queries (decodes, short prompts, the output
-    rows) read the cache in place (attention/cpu_paged_decode.py) instead of SDPA buckets; 0:
-    none."""
+    """The step's flat batch, its neutral attention description (attention/common.py) and the
+    decoder backend's metadata made from it by `builder`. `output_rows_only`: the step reads
+    only finishing requests' last tokens (sampling, LAST pooling), so the description marks
+    them (CommonAttentionMetadata.output_seqs)."""
     requests = _flat_order(sched_out)
     query_lens = [sched_out.num_scheduled_tokens[r.request_id] for r in requests]
     context_lens = [r.num_computed_tokens for r in requests]
@@ -134,44 +131,30 @@ def build_causal_batch(
     )
     num_tokens = len(input_ids)
     cu, positions, token_request = _token_layout(query_lens, context_lens, num_tokens)
-
-    rows = split_rows(
-        context_lens, query_lens, causal_max_len=causal_row_max_len([v.spec for v in views])
-    )
-    first_spec = views[0].spec
-    plans = [_plan_rows(rows, first_spec, max_pad_fraction, in_place_decode_len)]
     reaches_end = [
         c + q >= r.num_tokens for r, c, q in zip(requests, context_lens, query_lens, strict=True)
     ]
-    out_tokens: list[int] = []
-    if output_rows_only:
-        out_tokens, out_rows = output_rows_of(context_lens, query_lens, reaches_end)
-        plans.append(_plan_rows(out_rows, first_spec, max_pad_fraction, in_place_decode_len))
-    tables = _block_tables(requests, states, views, int32=in_place_decode_len > 0)
-    groups = [
-        tuple(
-            build_group_metadata(
-                plan.rows,
-                plan.spans,
-                tables[group_id][0],
-                token_request,
-                positions,
-                spec,
-                dtype,
-                device,
-                plan.decode_rows,
-                tables[group_id][1],
-            )
-            for group_id, spec in views
+    tables = _block_tables(requests, states, views)
+    kv_groups = tuple(
+        KVGroupStep(
+            spec,
+            tables[group_id],
+            slot_mapping_of(tables[group_id], token_request, positions, spec.block_size, device),
         )
-        for plan in plans
-    ]
-    attn_metadata = PagedAttentionMetadata(
-        num_tokens,
-        groups[0],
-        layer_views,
-        torch.tensor(out_tokens, dtype=torch.int64).to(device) if output_rows_only else None,
-        groups[1] if output_rows_only else (),
+        for group_id, spec in views
+    )
+    common = CommonAttentionMetadata(
+        query_lens=query_lens,
+        seq_lens=[c + q for c, q in zip(context_lens, query_lens, strict=True)],
+        query_start_loc=cu,
+        causal=True,
+        device=device,
+        dtype=dtype,
+        positions=positions,
+        token_seq=token_request,
+        kv_groups=kv_groups,
+        layer_groups=layer_views,
+        output_seqs=reaches_end if output_rows_only else None,
     )
     return CausalBatch(
         requests=requests,
@@ -180,38 +163,21 @@ def build_causal_batch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
         positions=positions.to(device, non_blocking=True),
         cu_query_lens=cu.to(device, non_blocking=True),
-        attn_metadata=attn_metadata,
+        attn_metadata=builder.build(common),
         reaches_end=reaches_end,
     )
 
 
-class _RowPlan(NamedTuple):
-    rows: list[AttentionRow]
-    """Rows for the SDPA buckets."""
-    spans: list[tuple[int, int]]
-    decode_rows: list[AttentionRow]
-    """Rows for the in-place kernel."""
-
-
-def _plan_rows(
-    rows: list[AttentionRow], spec: KVCacheSpec, max_pad_fraction: float, in_place_len: int
-) -> _RowPlan:
-    bucketed, in_place = split_decode_rows(rows, in_place_len)
-    spans = plan_buckets(bucketed, spec.block_size, spec.num_kv_heads, max_pad_fraction)
-    return _RowPlan(bucketed, spans, in_place)
-
-
 def _block_tables(
-    requests: list[Request], states: RequestStates, views: Sequence[AttentionView], int32: bool
-) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
-    """group id → its [requests, max_blocks] block table, int64 (and int32 for the kernel)."""
-    out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    requests: list[Request], states: RequestStates, views: Sequence[AttentionView]
+) -> dict[int, torch.Tensor]:
+    """group id → its [requests, max_blocks] int64 block table (one per group: its views share it)."""
+    out: dict[int, torch.Tensor] = {}
     for group_id, _ in views:
         if group_id not in out:
-            table = torch.from_numpy(
+            out[group_id] = torch.from_numpy(
                 _pad_table([states[r.request_id].block_ids[group_id] for r in requests])
             )
-            out[group_id] = (table, table.to(torch.int32) if int32 else None)
     return out
 
 

@@ -17,8 +17,8 @@ from typing import Any, cast
 
 import torch
 
-from tidepool.attention import cpu_paged_decode
-from tidepool.attention.metadata import build_encoder_metadata
+from tidepool.attention.abstract import DecoderAttentionBackend
+from tidepool.attention.common import AttentionMetadataBuilder, encoder_step
 from tidepool.attention.paged import allocate_kv_caches
 from tidepool.attention.paged_metadata import AttentionView
 from tidepool.config import EngineConfig, ModelConfig
@@ -35,9 +35,6 @@ from tidepool.worker.pooler import Pooler, PoolingMetadata
 from tidepool.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger("tidepool")
-
-# Attention buckets of a causal step may pad up to this share of their (queries x keys) area.
-CAUSAL_MAX_PAD_FRACTION = 0.25
 
 # CPU encoder steps up to this many tokens run on one thread: their ops are so short that waking
 # the other OpenMP threads (they sleep between ops under OMP_WAIT_POLICY=PASSIVE) costs more
@@ -94,13 +91,14 @@ class ModelRunner:
         self.attention_views: tuple[AttentionView, ...] = ()
         self.layer_groups: tuple[int, ...] = ()
         """Layer index (among KV-cache layers) → its attention view."""
-        self.in_place_decode_len = 0
-        """Rows of at most this many queries read the KV cache in place (0: every row in SDPA
-        buckets): cpu_paged_decode.max_query_len where its kernel runs this cache."""
+        self._attn_builder: tuple[Any, AttentionMetadataBuilder[Any]] | None = None
+        """(backend, its metadata builder): made at load (_init_kv_cache / the first step's
+        check), again only if the model was handed another backend since."""
         self.states = RequestStates(device=self.device)
         self.sampler = Sampler() if config.model.runner_type == "generate" else None
         if config.model.is_causal:
             self._init_kv_cache()
+        self.attn_builder  # noqa: B018  # made now, with the backend chosen at load
 
     # ------------------------------------------------------------------ KV cache
 
@@ -123,7 +121,8 @@ class ModelRunner:
         cap = sched.max_num_seqs * per_request + 1
         if kv_config.num_blocks > cap:
             kv_config = replace(kv_config, num_blocks=cap)
-        caches = allocate_kv_caches(kv_config, specs, self.device)
+        backend = model.attention_backend
+        caches = allocate_kv_caches(kv_config, specs, self.device, backend.kv_cache_shape)
         group_of = {
             name: g for g, group in enumerate(kv_config.groups) for name in group.layer_names
         }
@@ -140,13 +139,6 @@ class ModelRunner:
             views[AttentionView(group_of[name], layer_specs[name])] for name in names
         )
         self.kv_cache_config = kv_config
-        if all(
-            cpu_paged_decode.supports(self.device, spec.dtype, spec.head_size)
-            for _, spec in self.attention_views
-        ):
-            self.in_place_decode_len = min(
-                cpu_paged_decode.max_query_len(spec.head_size) for _, spec in self.attention_views
-            )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), %d group(s)",
             kv_config.num_blocks,
@@ -154,6 +146,32 @@ class ModelRunner:
             kv_config.num_blocks * kv_config.bytes_per_block / 2**20,
             len(kv_config.groups),
         )
+
+    @property
+    def attn_builder(self) -> AttentionMetadataBuilder[Any]:
+        """The model's attention backend's metadata builder (attention/common.py): the step's
+        neutral description → the backend's metadata, once per step."""
+        backend = self.model.attention_backend
+        if self._attn_builder is None or self._attn_builder[0] is not backend:
+            if self.kv_cache_config is None:
+                builder = cast(EncoderModel, self.model).attention_backend.metadata_builder()
+            else:
+                builder = self._decoder_builder(cast(DecoderModel, self.model).attention_backend)
+            self._attn_builder = (backend, builder)
+        return self._attn_builder[1]
+
+    def _decoder_builder(self, backend: DecoderAttentionBackend) -> AttentionMetadataBuilder[Any]:
+        """The builder of `backend`, which must lay the allocated cache out as its views are."""
+        num_blocks = cast(KVCacheConfig, self.kv_cache_config).num_blocks
+        for cache, view in zip(self.kv_caches, self.layer_groups, strict=True):
+            shape = backend.kv_cache_shape(num_blocks, self.attention_views[view].spec)
+            if tuple(cache.shape) != shape:
+                raise ValueError(
+                    f"attention backend {backend.name!r} lays the KV cache out as {shape}, "
+                    f"not as the allocated {tuple(cache.shape)}: choose it before the cache "
+                    "is allocated (at load)"
+                )
+        return backend.metadata_builder([spec for _, spec in self.attention_views], self.device)
 
     # ------------------------------------------------------------------ execute
 
@@ -175,11 +193,10 @@ class ModelRunner:
             self.states,
             self.attention_views,
             self.layer_groups,
+            self.attn_builder,
             self.config.model.dtype,
             self.device,
-            CAUSAL_MAX_PAD_FRACTION,
             output_rows_only=self._reads_last_rows_only(sched_out),
-            in_place_decode_len=self.in_place_decode_len,
         )
         model = cast(DecoderModel, self.model)  # _check_contract: causal → DecoderModel
         hidden = model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
@@ -225,13 +242,10 @@ class ModelRunner:
             ).to(device, non_blocking=True)
         input_ids = input_ids.to(device, non_blocking=True)
         positions = positions.to(device, non_blocking=True)
-        attn_meta = build_encoder_metadata(
-            seq_lens,
-            device,
-            num_heads=self.num_heads,
-            dtype=self.config.model.dtype,
-            key_lens=_key_lens(requests),
+        step = encoder_step(
+            seq_lens, device, self.config.model.dtype, self.num_heads, _key_lens(requests)
         )
+        attn_meta = self.attn_builder.build(step)
         params = _pooling_params(requests)
         model = cast(EncoderModel, self.model)  # _check_contract: not causal → EncoderModel
         if self._pools_first_tokens_only(params):
@@ -246,7 +260,8 @@ class ModelRunner:
             )
         else:
             hidden = model(input_ids, positions, attn_meta, token_type_ids)
-            pool_meta = PoolingMetadata(seq_lens, attn_meta.cu_seqlens, params, input_ids)
+            cu_seqlens = step.query_start_loc.to(device, non_blocking=True)
+            pool_meta = PoolingMetadata(seq_lens, cu_seqlens, params, input_ids)
         outputs = self.pooler(hidden, pool_meta)
         return {r.request_id: out for r, out in zip(requests, outputs, strict=True)}
 
