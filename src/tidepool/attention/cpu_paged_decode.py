@@ -9,8 +9,8 @@ Why: the SDPA path gathers every block a decode reads into a padded copy each la
 (`index_select`), builds an additive mask, and runs SDPA per bucket; reading in place moves each
 cached K / V byte once (docs/performance.md, "Decode").
 
-Built on first use with torch's C++ extension loader (attention/cpu_kernels.build_extension,
-cached under TORCH_EXTENSIONS_DIR) for AVX2 + FMA, so it runs on AVX2-only CPUs (AMD Zen 2/3) as
+Loaded by kernels/build.py (the installed build of these sources, else built on first use with
+torch's C++ extension loader, cached under TORCH_EXTENSIONS_DIR) for AVX2 + FMA, so it runs on AVX2-only CPUs (AMD Zen 2/3) as
 well as on AVX-512 ones. Where the CPU lacks them or the build fails, `load()` says why once and
 returns None, and decodes keep the SDPA buckets. TIDEPOOL_CPU_ATTENTION=sdpa turns it off (one
 switch for tidepool's hand-written CPU code), =native makes a failure an error.
@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
 import torch
 
-from tidepool.attention import cpu_kernels
-from tidepool.kernels import cpu_features
+from tidepool.kernels import cpu_features, specs
+from tidepool.kernels.build import build_or_fall_back, load_build
 
 logger = logging.getLogger("tidepool")
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_paged_decode.cpp"
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-std=c++17", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_QUERY_LEN = 16
 """Rows of at most this many queries take the kernel; longer ones are GEMM-shaped (SDPA)."""
@@ -40,7 +37,7 @@ _state: dict[str, object] = {}
 
 
 def _compile(isa: str) -> object:
-    cpu_kernels.build_extension(_SOURCE, "tidepool_paged_decode", _CFLAGS)
+    load_build(specs.PAGED_DECODE)
     return torch.ops.tidepool_paged.paged_decode
 
 
@@ -48,9 +45,9 @@ def _build() -> object | None:
     """The kernel where the CPU has AVX2 + FMA (and TIDEPOOL_CPU_ISA allows them: its one
     build runs on every level from avx2 up), through the kernels' shared builder."""
     isa = "avx2" if cpu_features.usable("avx2") else None
-    return cpu_kernels.build_or_fall_back(
+    return build_or_fall_back(
         _compile,
-        _SOURCE.name,
+        specs.PAGED_DECODE.source,
         "tidepool's CPU paged decode kernel",
         "SDPA over gathered blocks for decodes",
         isa,

@@ -1,0 +1,101 @@
+"""Builds tidepool's C++ kernels when the package is installed (pyproject.toml holds the rest).
+
+One module per kernel per ISA build (src/tidepool/kernels/specs.py: AVX-512 and AVX2 + FMA, the
+paged decode's AVX2 build, the AMX int8 GEMM), with torch's BuildExtension against the torch
+installed in the target environment, into tidepool/kernels/_prebuilt/ (also for editable
+installs: the loader looks there, kernels/build.py). The modules build in parallel, one per core.
+Without torch (or a C++ compiler) at install time the package installs without them and each
+kernel is built on first use instead, as for an edited source.
+
+pip builds in an isolated environment without the target's packages: the torch of the
+environment being installed into is then found by asking its interpreter (the one pip runs),
+so `pip install -e .` needs no --no-build-isolation (it works with it too).
+TIDEPOOL_SKIP_KERNEL_BUILD=1 installs without the kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+HERE = Path(__file__).resolve().parent
+
+
+def _specs():
+    """kernels/specs.py alone (it imports nothing of tidepool)."""
+    path = HERE / "src" / "tidepool" / "kernels" / "specs.py"
+    spec = importlib.util.spec_from_file_location("_tidepool_kernel_specs", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _find_target_torch() -> bool:
+    """Make the target environment's torch importable here; False where it has none."""
+    try:
+        import torch  # noqa: F401
+
+        return True
+    except ImportError:
+        pass
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    probe = "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))"
+    found = subprocess.run(
+        [sys.executable, "-I", "-c", probe], env=env, capture_output=True, text=True
+    )
+    if found.returncode != 0:
+        return False
+    sys.path.append(found.stdout.strip().splitlines()[-1])
+    try:
+        import torch  # noqa: F401, F811
+    except ImportError:
+        return False
+    return True
+
+
+def _kernel_build():
+    """(ext_modules, cmdclass) for the kernels, or ([], {}) where they cannot be built."""
+    if os.environ.get("TIDEPOOL_SKIP_KERNEL_BUILD") == "1" or not _find_target_torch():
+        print("tidepool: kernels not built at install (no torch): built on first use instead")
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    specs = _specs()
+    extensions = [
+        CppExtension(
+            f"{specs.PREBUILT_PACKAGE}.{build.name}",
+            [str(build.path.relative_to(HERE))],
+            extra_compile_args=list(build.cflags),
+            extra_link_args=["-fopenmp"],
+        )
+        for build in specs.all_builds()
+    ]
+
+    class BuildKernels(BuildExtension):
+        """BuildExtension without ninja (one compile per module, modules in parallel: ninja's
+        build file is per directory and parallel modules would share it); a module that fails
+        (an old compiler without AMX flags) is left out with one line: it is built on first
+        use, where it can be."""
+
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            if self.parallel is None:
+                self.parallel = os.cpu_count() or 1
+
+        def build_extension(self, ext) -> None:
+            try:
+                super().build_extension(ext)
+            except Exception as e:  # CompileError, LinkError
+                print(f"tidepool: {ext.name} not built ({type(e).__name__}); built on first use")
+
+    return extensions, {"build_ext": BuildKernels.with_options(use_ninja=False)}
+
+
+ext_modules, cmdclass = _kernel_build()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
