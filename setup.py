@@ -59,6 +59,19 @@ def _find_target_torch() -> bool:
     return True
 
 
+def _unit(build) -> str:
+    """A one-line source that includes `build`'s: each build of a source (one per ISA) then
+    compiles to its own object file (setuptools names objects after their sources, and the
+    builds run in parallel); the included source finds csrc/'s headers beside itself."""
+    units = HERE / "build" / "tidepool_kernels"
+    units.mkdir(parents=True, exist_ok=True)
+    unit = units / f"{build.name}.cpp"
+    text = f'#include "{build.path.as_posix()}"\n'
+    if not unit.is_file() or unit.read_text() != text:
+        unit.write_text(text)
+    return str(unit.relative_to(HERE))
+
+
 def _kernel_build():
     """(ext_modules, cmdclass) for the kernels, or ([], {}) where they cannot be built."""
     if os.environ.get("TIDEPOOL_SKIP_KERNEL_BUILD") == "1" or not _find_target_torch():
@@ -70,7 +83,7 @@ def _kernel_build():
     extensions = [
         CppExtension(
             f"{specs.PREBUILT_PACKAGE}.{build.name}",
-            [str(build.path.relative_to(HERE))],
+            [_unit(build)],
             extra_compile_args=list(build.cflags),
             extra_link_args=["-fopenmp"],
         )
@@ -87,6 +100,19 @@ def _kernel_build():
             super().finalize_options()
             if self.parallel is None:
                 self.parallel = os.cpu_count() or 1
+
+        def build_extensions(self) -> None:
+            # Python's own CFLAGS (-g, -DNDEBUG, -fwrapv, -Wall) are not the first-use build's
+            # (torch's loader): without them the two builds compile the same code (and no
+            # debug info is made).
+            drop = {"-g", "-DNDEBUG", "-fwrapv", "-Wall", "-Wsign-compare"}
+            for attr in ("compiler_so", "compiler_cxx", "linker_so"):
+                flags = getattr(self.compiler, attr, None)
+                if flags:
+                    setattr(self.compiler, attr, [f for f in flags if f not in drop])
+            # An editable install copies each module into the source tree, here.
+            (HERE / "src" / "tidepool" / "kernels" / "_prebuilt").mkdir(exist_ok=True)
+            super().build_extensions()
 
         def build_extension(self, ext) -> None:
             try:
