@@ -106,7 +106,13 @@ def _kernel_build():
             # (torch's loader): without them the two builds compile the same code (and no
             # debug info is made).
             drop = {"-g", "-DNDEBUG", "-fwrapv", "-Wall", "-Wsign-compare"}
-            for attr in ("compiler_so", "compiler_cxx", "linker_so"):
+            for attr in (
+                "compiler_so",
+                "compiler_so_cxx",
+                "compiler_cxx",
+                "linker_so",
+                "linker_so_cxx",
+            ):
                 flags = getattr(self.compiler, attr, None)
                 if flags:
                     setattr(self.compiler, attr, [f for f in flags if f not in drop])
