@@ -12,7 +12,10 @@ test:
 
 # Style, and types of the engine's core (mypy settings in pyproject.toml); CI runs it after the tests.
 MYPY_PATHS = src/tidepool/core src/tidepool/kv_cache src/tidepool/engine src/tidepool/config.py \
-	src/tidepool/params.py src/tidepool/request.py
+	src/tidepool/params.py src/tidepool/request.py src/tidepool/worker src/tidepool/attention \
+	src/tidepool/models/interfaces.py src/tidepool/jobs src/tidepool/ray \
+	src/tidepool/entrypoints/openai/protocol.py src/tidepool/entrypoints/openai/protocol_cohere.py \
+	src/tidepool/entrypoints/openai/protocol_tei.py src/tidepool/entrypoints/openai/protocol_vllm.py
 
 lint:
 	.venv/bin/ruff check src tests benchmarks

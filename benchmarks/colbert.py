@@ -114,16 +114,11 @@ class Reference:
 
 
 def cpu_flags() -> str:
-    try:
-        flags = next(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        ).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
+    """The CPU's model and the flags that decide the kernel and GEMM paths (tidepool's one
+    reader, kernels/cpu_features.py)."""
+    from tidepool.kernels.cpu_features import describe
+
+    return describe()
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ encoder attention paths: the kernel on the packed tokens (csrc/cpu_encoder_atten
 SDPA per padded bucket on the padded layout (attention/torch_backend.py). Calls alternate
 (A B A B ...); prints each side's median time, GFLOP/s (4 * L^2 * head_dim per head and
 sequence) and the median per-pair ratio, and checks the outputs agree. `--matmul` adds the
-kernel's AMX-bf16 modes (cpu_kernels.MATMULS) to the rotation, each with its speed-up over the
+kernel's reduced-precision modes (cpu_kernels.MATMULS: AMX-bf16, or "bf16" on vdpbf16ps) to the rotation, each with its speed-up over the
 kernel's float32 products and its max abs difference to them.
 
     python benchmarks/cpu_attention.py [--dtype float32|bfloat16] [--threads 2] [--calls 25]
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--calls", type=int, default=25)
-    parser.add_argument("--matmul", default="", help="AMX modes to add: bf16,bf16x3")
+    parser.add_argument("--matmul", default="", help="reduced modes to add: bf16,bf16x3")
     parser.add_argument("--isa", default=None, help="cap the kernel's build (TIDEPOOL_CPU_ISA)")
     parser.add_argument("--e2e", type=int, default=0, help="end to end over this many texts")
     parser.add_argument("--rounds", type=int, default=5, help="--e2e rounds")

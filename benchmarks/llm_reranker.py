@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -211,11 +210,11 @@ def timed(fn) -> Callable[[], tuple[float, list[float]]]:
 
 
 def cpu_flags() -> str:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
-    except (OSError, IndexError):
-        return platform.processor()
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    """The CPU's model and the flags that decide the kernel and GEMM paths (tidepool's one
+    reader, kernels/cpu_features.py)."""
+    from tidepool.kernels.cpu_features import describe
+
+    return describe()
 
 
 def parse_args() -> argparse.Namespace:

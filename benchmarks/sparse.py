@@ -73,16 +73,11 @@ def run_st(model, texts: list[str], batch_size: int) -> tuple[float, torch.Tenso
 
 
 def cpu_flags() -> str:
-    """The vector ISA flags of this CPU that matter for GEMMs (AVX2, AVX-512, AMX)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if "flags" in line), []
-    )
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    return " ".join(f for f in wanted if f in flags) or "none of avx2 / avx512 / amx"
+    """The CPU's model and the flags that decide the kernel and GEMM paths (tidepool's one
+    reader, kernels/cpu_features.py)."""
+    from tidepool.kernels.cpu_features import describe
+
+    return describe()
 
 
 def main() -> None:

@@ -153,6 +153,15 @@ def kernel_paths() -> str:
     attention = f"tidepool kernel, {isa} build" if isa else "PyTorch SDPA"
     if isa and cpu_features.usable("amx"):
         attention += " (+ AMX-bf16 products for bfloat16 / int8)"
+    elif isa == "avx512" and cpu_features.usable("avx512_bf16"):
+        attention += " (+ bf16 products on avx512_bf16 vdpbf16ps for bfloat16 / int8)"
+    # oneDNN's bfloat16 GEMM (its own ISA ladder; ONEDNN_MAX_CPU_ISA caps it, not ours).
+    flags = cpu_features.cpu_flags()
+    bf16_gemm = (
+        "AMX-bf16" if "amx_bf16" in flags
+        else "avx512_bf16" if "avx512_bf16" in flags
+        else "no bf16 instructions: converted to float32"
+    )  # fmt: skip
     from tidepool.quantization.int8_linear import int8_gemm_available, onednn_int8_saturates
 
     int8_isa = int8_ops.chosen_isa()
@@ -162,7 +171,8 @@ def kernel_paths() -> str:
     if not amx and int8_gemm_available() and onednn_int8_saturates():
         gemm, epilogues = "oneDNN int8 GEMM as two 7-bit GEMMs (no VNNI)", "torch-op epilogues"
     return (
-        f"encoder attention: {attention}; decoder ops: {isa or 'torch ops'}; "
+        f"encoder attention: {attention}; bfloat16 linears: oneDNN, {bf16_gemm}; "
+        f"decoder ops: {isa or 'torch ops'}; "
         f"int8 linears: {gemm} + {epilogues}"
     )
 

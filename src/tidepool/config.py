@@ -324,10 +324,6 @@ class ModelConfig:
         return tasks[0] if tasks else "embed"
 
     @property
-    def is_cross_encoder(self) -> bool:
-        return self.task == "classify" and self.output_head == "task"
-
-    @property
     def uses_token_type_ids(self) -> bool:
         return int(getattr(self.hf_config, "type_vocab_size", 0) or 0) > 1
 

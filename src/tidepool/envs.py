@@ -103,9 +103,8 @@ def apply_openmp_defaults() -> bool:
 
     With the default (spinning) policy, an OpenMP thread that waits at a barrier burns its core;
     when the machine is shared, the thread it waits for is then descheduled and every parallel
-    region pays a scheduler time slice. Measured on the shared 2-core machine, one 32-token
-    text: p50 450-520 ms with spinning vs 32-58 ms passive (2 threads), and large GEMMs were no
-    slower. OpenMP reads the variable when torch loads, so this must run before `import torch`.
+    region pays a scheduler time slice; large GEMMs are no slower passive (docs/performance.md,
+    "Choices in the encoder path"). OpenMP reads the variable when torch loads, so this must run before `import torch`.
     """
     if "torch" in sys.modules:
         return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"

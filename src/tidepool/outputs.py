@@ -6,9 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The engine core's per-step result of a generating request; defined in core/, kept importable here.
-from tidepool.core.outputs import EngineCoreOutput as EngineCoreOutput
-
 
 @dataclass
 class PoolingOutput:

@@ -215,7 +215,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
-    """Keep only the last k prompt tokens."""
+    """Keep only the last k prompt tokens (`truncation_side`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -265,6 +265,12 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def truncation_side(self) -> Literal["left"]:
+        """Which end `truncate_prompt_tokens` keeps, read as PoolingParams' field is (one rule,
+        engine/truncation.py's `keep`): always the last tokens, as vLLM's SamplingParams."""
+        return "left"
 
     @property
     def greedy(self) -> bool:

@@ -45,9 +45,6 @@ class EncodingSpec:
     convert: Callable[[np.ndarray, np.ndarray | None], np.ndarray]
     """float32 embeddings [..., dim] (and ranges [2, dim] or None) -> stored values."""
 
-    def num_values(self, dim: int) -> int:
-        return (dim + 7) // 8 if self.packs_bits else dim
-
 
 def _scalar(embeddings: np.ndarray, ranges: np.ndarray | None) -> np.ndarray:
     # The same float32 operations in the same order as sentence-transformers: equal bits.

@@ -76,9 +76,5 @@ class Request:
         return prompt[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
-    def is_generating(self) -> bool:
-        return self.sampling_params is not None
-
-    @property
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)

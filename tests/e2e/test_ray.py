@@ -206,12 +206,12 @@ def test_serve_replicas_answer_like_tidepool_serve(minilm_llm: LLM) -> None:
 
     from tidepool.engine.async_engine import AsyncEngine
     from tidepool.entrypoints.openai.server import ServerArgs, build_app
-    from tidepool.ray.serve import app_builder
+    from tidepool.entrypoints.ray_serve import app_builder
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        # As `serve run tidepool.ray.serve:app_builder model=... num_replicas=2 num_cpus=0.5`.
+        # As `serve run tidepool.entrypoints.ray_serve:app_builder model=... num_replicas=2 num_cpus=0.5`.
         app = app_builder({"model": DEFAULT_MODEL, "num_replicas": "2", "num_cpus": "0.5"})
         serve.run(app, name="tidepool", route_prefix="/")
         status = serve.status().applications["tidepool"]

@@ -237,6 +237,7 @@ BAD_EMBED_BODIES = [
     ({"texts": ["ok"], "output_dimension": "8"}, 422, "output_dimension"),
     ({"texts": ["ok"], "output_dimension": 0}, 400, "output_dimension must be >= 1"),
     ({"texts": ["ok"], "images": ["data:..."]}, 400, "images"),
+    ({"texts": ["ok"], "input_type": "image"}, 400, "input_type image is not supported"),
     ({"texts": ["ok"], "model": "other"}, 404, "other"),
     ({"texts": ["ok"], "truncate": "NONE", "max_tokens": 4}, 400, "max_tokens"),
     ({"texts": ["ok"], "embedding_types": ["int8"], "output_dimension": 8}, 400, "dimensions"),
@@ -300,17 +301,21 @@ def test_cohere_fuzz_never_5xx(http, body) -> None:
 
 
 def test_input_type_picks_the_models_prompt() -> None:
+    """The route's rule is engine/prompts.py's (the offline API's): case-insensitive, most
+    likely name first; a named prompt replaces the default one, as sentence-transformers'."""
     from types import SimpleNamespace
 
-    from tidepool.entrypoints.openai.serving_cohere import _PROMPT_NAMES, model_prompt
+    from tidepool.entrypoints.openai.serving_cohere import input_type_prompt
 
     def serving(prompts: dict[str, str], default: str | None = None):
         st_config = SimpleNamespace(prompts=prompts, default_prompt_name=default)
-        return SimpleNamespace(model_config=SimpleNamespace(st=st_config))
+        return SimpleNamespace(model_config=SimpleNamespace(st=st_config, multi_vector=None))
 
     e5 = serving({"query": "query: ", "passage": "passage: "})
-    assert model_prompt(e5, _PROMPT_NAMES["search_query"]) == "query: "
-    assert model_prompt(e5, _PROMPT_NAMES["search_document"]) == "passage: "
-    assert model_prompt(e5, _PROMPT_NAMES["clustering"]) == ""
-    # A default prompt is the input processor's to add: no second prompt.
-    assert model_prompt(serving({"query": "q: "}, default="query"), ("query",)) == ""
+    assert input_type_prompt(e5, "search_query") == "query"
+    assert input_type_prompt(e5, "search_document") == "passage"
+    assert input_type_prompt(e5, "clustering") is None
+    assert input_type_prompt(e5, None) is None
+    gemma = serving({"Retrieval-query": "q: ", "Clustering": "c: "}, default="Clustering")
+    assert input_type_prompt(gemma, "search_query") == "Retrieval-query"
+    assert input_type_prompt(gemma, "classification") is None  # the default prompt then

@@ -171,8 +171,8 @@ def test_amx_threads_and_neighbours_do_not_matter():
 
 
 def test_reduced_precision_selection(monkeypatch):
-    """float32 specs keep the exact kernel; a reduced-precision spec gets its AMX mode where the
-    CPU has AMX-bf16 (the float32 kernel elsewhere); TIDEPOOL_CPU_ATTENTION_MATMUL overrides the
+    """float32 specs keep the exact kernel; a reduced-precision spec gets its mode where the
+    CPU runs it (AMX-bf16, or avx512_bf16 for "bf16"; the float32 kernel elsewhere); TIDEPOOL_CPU_ATTENTION_MATMUL overrides the
     reduced-precision choice only."""
     from tidepool.attention import backend as b
 
@@ -181,7 +181,8 @@ def test_reduced_precision_selection(monkeypatch):
     ):
         pytest.skip("the CPU kernel is not available here")
     monkeypatch.delenv("TIDEPOOL_CPU_ATTENTION_MATMUL", raising=False)
-    amx = cpu_kernels.amx_bf16_available()
+    # A reduced mode where some path runs it (AMX, or "bf16" on vdpbf16ps), float32 elsewhere.
+    amx = cpu_kernels.products("bf16") != "float32"
     for dtype in (torch.float32, torch.bfloat16):
         spec = b.AttentionSpec(torch.device("cpu"), dtype, 32, 512)
         assert b.select_encoder_backend(spec) is b.CPU_KERNEL
@@ -230,7 +231,7 @@ def test_attach_gives_bfloat16_and_int8_models_their_matmul(monkeypatch):
         intermediate_size=64, max_position_embeddings=64,
     )  # fmt: skip
     model = BertModel(config).eval()
-    amx = cpu_kernels.amx_bf16_available()
+    amx = cpu_kernels.products("bf16") != "float32"
     cpu = torch.device("cpu")
     cases = [
         (torch.float32, None, False),

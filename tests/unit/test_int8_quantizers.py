@@ -237,7 +237,6 @@ def test_model_recipes_change_the_default() -> None:
     the recipe does not have is refused, naming it."""
     from dataclasses import replace
 
-    from tidepool.models.quantizable import Int8Layout
     from tidepool.quantization.int8 import DEFAULT_RECIPE, Int8Recipe, recipe_for
 
     t5 = _meta_model("T5EncoderModel", **T5_SIZES)
@@ -246,7 +245,8 @@ def test_model_recipes_change_the_default() -> None:
     assert recipe_for(t5, base).weight_rounding == "nearest"
     bert = _meta_model("BertModel", **BERT_SIZES)
     assert recipe_for(bert) == DEFAULT_RECIPE
-    bert.int8_layout = lambda: Int8Layout({}, recipe={"smoothing": 0.5})
+    layout = bert.int8_layout()
+    bert.int8_layout = lambda: replace(layout, recipe={"smoothing": 0.5})
     with pytest.raises(ValueError, match="names smoothing, which Int8Recipe does not have"):
         recipe_for(bert)
 

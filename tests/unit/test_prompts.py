@@ -121,6 +121,14 @@ def test_server_prompt_name(prompted_minilm: Path, prompted_llm):
             row = answer.json()["data"][0]
             got = np.asarray(row.get("embedding", row.get("data")))
             assert float(got @ np.asarray(expected.outputs.embedding)) >= 0.99999
+        # Cohere's input_type goes through the same rule (search_query → the "query" prompt).
+        answer = client.post("/v2/embed", json={"texts": [TEXTS[0]], "input_type": "search_query"})
+        assert answer.status_code == 200, answer.text
+        got = np.asarray(answer.json()["embeddings"]["float"][0])
+        assert float(got @ np.asarray(expected.outputs.embedding)) >= 0.99999
+        assert answer.json()["meta"]["billed_units"]["input_tokens"] == len(
+            expected.prompt_token_ids
+        )
         answer = client.post("/v1/embeddings", json={"input": "x", "prompt_name": "nope"})
         assert answer.status_code == 400
         error = answer.json()["error"]

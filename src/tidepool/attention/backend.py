@@ -31,11 +31,12 @@ Selection of the CPU kernel (cpu_kernels.supports), worked example on an AVX-512
     native                  cpu     float32   32        512            cpu_kernel, or an error
 
 The kernel's products (AttentionSpec.matmul, cpu_kernels.MATMULS): "float32" FMAs (exact, the
-default and the only choice for a float32 model), or on AMX-bf16 tiles "bf16" / "bf16x3" for the
+default and the only choice for a float32 model), or "bf16" / "bf16x3" (on AMX-bf16 tiles; "bf16"
+on vdpbf16ps where the CPU has avx512_bf16 and no AMX: cpu_kernels.products) for the
 models that allow reduced precision: the loader asks (`attach_attention_backend(...,
 reduced_precision=True)`, models/interfaces.py) for a bfloat16 model and for the int8 mode, and
 gets `reduced_precision_matmul(dtype)`: TIDEPOOL_CPU_ATTENTION_MATMUL, else REDUCED_MATMUL.
-Where the CPU has no AMX-bf16 the kernel keeps float32. One backend instance per mode.
+Where the CPU has neither, the kernel keeps float32. One backend instance per mode.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class CpuKernelBackend(EncoderAttentionBackend):
         return cpu_kernels.supports(spec.device, spec.dtype, spec.head_dim, spec.max_positions)
 
     def for_spec(self, spec: AttentionSpec) -> EncoderAttentionBackend:
-        if spec.matmul == "float32" or not cpu_kernels.amx_bf16_available():
+        if cpu_kernels.products(spec.matmul) == "float32":
             return CPU_KERNEL
         return CPU_KERNEL_AMX[spec.matmul]
 
@@ -180,7 +181,8 @@ class CpuKernelBackend(EncoderAttentionBackend):
         return _kernel(q, k, v, meta, scale, matmul=self.matmul)
 
     def __repr__(self) -> str:
-        suffix = "" if self.matmul == "float32" else f" ({self.matmul} on AMX)"
+        path = cpu_kernels.products(self.matmul)
+        suffix = "" if path == "float32" else f" ({self.matmul} on {path})"
         return f"<{self.name} attention{suffix}>"
 
 

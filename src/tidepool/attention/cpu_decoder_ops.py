@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import torch
 
@@ -30,16 +31,16 @@ logger = logging.getLogger("tidepool")
 
 
 _lock = threading.Lock()
-_state: dict[str | None, object] = {}
+_state: dict[str | None, Any] = {}
 
 
-def _compile(isa: str) -> object:
+def _compile(isa: str) -> Any:
     build = specs.DECODER_OPS[isa]
     load_build(build)
     return getattr(torch.ops, build.namespace)
 
 
-def load(isa: str | None = None) -> object | None:
+def load(isa: str | None = None) -> Any | None:
     """The op namespace of the chosen build (cpu_kernels.chosen_isa: the best the CPU and
     TIDEPOOL_CPU_ISA allow) or of `isa`'s (tests), built and loaded on first call; None where it
     cannot run."""
@@ -81,7 +82,9 @@ def write_kv(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] (rows contiguous) → x / rms(x) * weight, [T, H] contiguous."""
     out = torch.empty(x.shape, dtype=x.dtype)
-    load().rms_norm(x, weight, eps, out)
+    ops = load()
+    assert ops is not None, "check usable() first"
+    ops.rms_norm(x, weight, eps, out)
     return out
 
 
@@ -97,4 +100,6 @@ def qk_norm_rope_(
     """In place on qk [T, Hq + Hk, D] (q heads, then k heads; a view of the QKV output): each
     head RMSNorm-ed (when its weight is given) and rotated; cos / sin [T, rotary_dim // 2]
     float32. In place: a fresh [T, heads, D] output costs page faults at thousands of tokens."""
-    load().qk_norm_rope_(qk, num_q_heads, q_weight, k_weight, eps, cos, sin)
+    ops = load()
+    assert ops is not None, "check usable() first"
+    ops.qk_norm_rope_(qk, num_q_heads, q_weight, k_weight, eps, cos, sin)

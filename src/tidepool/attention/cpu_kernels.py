@@ -10,7 +10,9 @@ queries whose [MASK] expansion is not attended to). Its two products (scores Q·
 in float32 FMAs (`matmul="float32"`, exact: the default) or, where the CPU has AMX-bf16, on bf16
 tiles: "bf16" rounds Q, K, P and V to bf16 once, "bf16x3" splits each into bf16 hi + lo and sums
 three tile products (float32-like accuracy); the softmax stays float32 in every mode
-(MATMULS; which models get which: attention/backend.py). It replaces PyTorch's
+(MATMULS; which models get which: attention/backend.py). Where the CPU has avx512_bf16 but no
+AMX (AMD Zen 4 / 5), "bf16" runs the same rounding on vdpbf16ps dot products and "bf16x3" the
+float32 FMAs (`products`). It replaces PyTorch's
 CPU SDPA for the native encoders because SDPA's flash kernel runs 32- and 64-wide heads as many
 tiny GEMMs (25-60 GFLOP/s here; figures in docs/performance.md). Written by hand deliberately:
 no maintained library offers varlen encoder attention for CPU (vLLM's CPU kernels are part of
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import torch
 
@@ -55,16 +58,16 @@ csrc/cpu_simd.h's TP_ISA_AVX512 and TP_ISA_AVX2."""
 _SOURCE_NAME = specs.ENCODER_ATTENTION["avx512"].source
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, Any] = {}
 
 
-def _compile(isa: str) -> object:
+def _compile(isa: str) -> Any:
     build = specs.ENCODER_ATTENTION[isa]
     load_build(build)
     return getattr(torch.ops, build.namespace)
 
 
-def load_isa(isa: str) -> object | None:
+def load_isa(isa: str) -> Any | None:
     """The op namespace of `isa`'s build (BUILD_ISAS), built and loaded on first call, whatever
     TIDEPOOL_CPU_ISA says (tests run each build the CPU can); None where it cannot run."""
     if isa not in _state:
@@ -96,6 +99,30 @@ def load():
                 )
         return _state[key]
     return load_isa(isa)
+
+
+DOT_BF16 = 3
+"""The op's code for "bf16" with the products on AVX512-BF16 vdpbf16ps (no AMX)."""
+
+
+def dot_bf16_available() -> bool:
+    """Whether the kernel runs "bf16" on vdpbf16ps here (the CPU has avx512_bf16, and
+    TIDEPOOL_CPU_ISA does not cap the kernels below avx512_bf16)."""
+    ops = load()
+    if ops is None or not cpu_features.usable("avx512_bf16"):
+        return False
+    return bool(ops.dot_bf16_available())
+
+
+def products(matmul: str) -> str:
+    """Where a MATMULS mode's products run here: "amx" (AMX-bf16 tiles), "avx512_bf16"
+    ("bf16" on vdpbf16ps, CPUs with avx512_bf16 and no AMX) or "float32" (FMAs: the float32
+    mode, and bf16x3 without AMX, whose float32-like accuracy the float32 FMAs give exactly)."""
+    if matmul == "float32":
+        return "float32"
+    if amx_bf16_available():
+        return "amx"
+    return "avx512_bf16" if matmul == "bf16" and dot_bf16_available() else "float32"
 
 
 def amx_bf16_available() -> bool:
@@ -142,12 +169,12 @@ def encoder_attention(
     sequence's first query only, in sequence order. `bias` (relative_bias.py) is added to the
     scores inside the kernel, read by key - query distance. `key_lens` ([num_seqs] int64, each
     in 1..seq_lens[i]): sequence i's keys are its first key_lens[i] rows; None: all its rows.
-    `matmul`: a MATMULS mode (the AMX ones run float32 where amx_bf16_available() is False).
+    `matmul`: a MATMULS mode, run where products(matmul) says.
     `isa`: run that build (BUILD_ISAS; tests), not the chosen one."""
     ops = load() if isa is None else load_isa(isa)
     assert ops is not None, "check supports() first"
-    if matmul != "float32" and not amx_bf16_available():
-        matmul = "float32"  # also where TIDEPOOL_CPU_ISA caps the kernels below amx
+    path = products(matmul)  # also where TIDEPOOL_CPU_ISA caps the kernels
+    code = {"amx": MATMULS[matmul], "avx512_bf16": DOT_BF16, "float32": 0}[path]
     num_tokens, num_heads, head_dim = q.shape
     if first_token_only:
         out = q.new_empty(seq_starts.shape[0], num_heads * head_dim)
@@ -168,7 +195,7 @@ def encoder_attention(
         table,
         offset,
         key_lens,
-        MATMULS[matmul],
+        code,
         out,
     )
     return out

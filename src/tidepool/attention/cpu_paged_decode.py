@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import torch
 
@@ -33,15 +34,15 @@ MAX_QUERY_LEN = 16
 """Rows of at most this many queries take the kernel; longer ones are GEMM-shaped (SDPA)."""
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, Any] = {}
 
 
-def _compile(isa: str) -> object:
+def _compile(isa: str) -> Any:
     load_build(specs.PAGED_DECODE)
     return torch.ops.tidepool_paged.paged_decode
 
 
-def _build() -> object | None:
+def _build() -> Any | None:
     """The kernel where the CPU has AVX2 + FMA (and TIDEPOOL_CPU_ISA allows them: its one
     build runs on every level from avx2 up), through the kernels' shared builder."""
     isa = "avx2" if cpu_features.usable("avx2") else None
@@ -54,7 +55,7 @@ def _build() -> object | None:
     )
 
 
-def load() -> object | None:
+def load() -> Any | None:
     """The `paged_decode` op, built and loaded on first call; None where it cannot run."""
     if "op" not in _state:
         with _lock:

@@ -18,7 +18,8 @@
 // column j - i + offset, one unaligned vector load per 16 scores, no [L, L] tensor.
 //
 // With matmul = bf16 / bf16x3 (where the CPU has AMX-bf16) both products run on AMX tiles
-// instead, the softmax staying float32: attend_amx below.
+// instead, the softmax staying float32: attend_amx below; with matmul = 3 (bf16's rounding,
+// where the CPU has avx512_bf16 but no AMX) on vdpbf16ps dot products: attend_dot.
 //
 // Why by hand: PyTorch's CPU flash-attention kernel tiles the work into many small GEMM calls,
 // which for 32- and 64-wide heads run at 25-60 GFLOP/s here; see docs/performance.md.
@@ -223,10 +224,12 @@ void encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        bool first_only, double scale, const c10::optional<at::Tensor>& bias,
                        int64_t bias_offset, const c10::optional<at::Tensor>& key_lens,
                        int64_t matmul, at::Tensor out) {
-  TORCH_CHECK(matmul >= kFloat32 && matmul <= kBf16x3,
-              "matmul: 0 (float32), 1 (bf16) or 2 (bf16x3), got ", matmul);
-  // Where AMX-bf16 is missing, the AVX-512 float32 path (amx_bf16_available() says which).
-  const Matmul mode = amx_ready() ? static_cast<Matmul>(matmul) : kFloat32;
+  TORCH_CHECK(matmul >= kFloat32 && matmul <= kBf16Dot,
+              "matmul: 0 (float32), 1 (bf16), 2 (bf16x3) or 3 (bf16 on vdpbf16ps), got ", matmul);
+  // Where the CPU lacks a mode's instructions, the float32 path (amx_bf16_available() and
+  // dot_bf16_available() say which run).
+  const bool ready = matmul == kBf16Dot ? dot_bf16_ready() : amx_ready();
+  const Matmul mode = ready ? static_cast<Matmul>(matmul) : kFloat32;
   const View qv = as_view(q, "q", q), kv = as_view(k, "k", q), vv = as_view(v, "v", q);
   TORCH_CHECK(kv.heads == vv.heads && kv.heads >= 1 && qv.heads % kv.heads == 0,
               "k and v need the same number of heads, dividing q's");
@@ -311,6 +314,7 @@ TORCH_LIBRARY(TP_NS, m) {
       "Tensor out_starts, bool first_only, float scale, Tensor? bias, int bias_offset, "
       "Tensor? key_lens, int matmul, Tensor(a!) out) -> ()");
   m.def("amx_bf16_available() -> bool", &amx_ready);
+  m.def("dot_bf16_available() -> bool", &dot_bf16_ready);
 }
 
 TORCH_LIBRARY_IMPL(TP_NS, CPU, m) { m.impl("encoder_attention", &encoder_attention); }

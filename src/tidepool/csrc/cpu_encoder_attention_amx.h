@@ -18,11 +18,17 @@
 // [32, Lp]. Queries go in blocks of 32 rows (two A tiles; 16 for a short tail), keys and dims in
 // blocks of 32 (two B tiles): 4 accumulator tiles, 8 tiles in all, one configuration.
 
-enum Matmul : int64_t { kFloat32 = 0, kBf16 = 1, kBf16x3 = 2 };
+// kBf16 / kBf16x3 run on AMX tiles; kBf16Dot is kBf16's rounding with the products as AVX-512
+// vdpbf16ps (CPUs with avx512_bf16 and no AMX: cpu_encoder_attention_dot.h).
+enum Matmul : int64_t { kFloat32 = 0, kBf16 = 1, kBf16x3 = 2, kBf16Dot = 3 };
+inline bool is_amx(int64_t m) { return m == kBf16 || m == kBf16x3; }
 
 #if defined(TP_ISA_AVX512)
 
 #define TP_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+// The helpers that need AVX512-BF16 only (conversions, packing, the softmax): shared with the
+// vdpbf16ps path (cpu_encoder_attention_dot.h), and inlined into the AMX code (a subset target).
+#define TP_BF16 __attribute__((target("avx512bf16")))
 
 constexpr int64_t kTile = 512;  // bf16 elements in one tile (16 rows x 32, 1 KiB)
 
@@ -41,14 +47,14 @@ TP_AMX void amx_begin() { load_tile_config(); }
 TP_AMX void amx_end() { _tile_release(); }
 
 // The bf16 bits of 16 floats (round to nearest even).
-TP_AMX TP_INLINE __m256i bf16_bits(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-TP_AMX TP_INLINE __m512 widen(__m256i h) {
+TP_BF16 TP_INLINE __m256i bf16_bits(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+TP_BF16 TP_INLINE __m512 widen(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // 16 elements as bf16 hi and lo (lo = bf16(x - hi); zero for bf16 inputs, never read then).
 template <typename T>
-TP_AMX TP_INLINE void split16(const T* p, bool split, __m256i& hi, __m256i& lo) {
+TP_BF16 TP_INLINE void split16(const T* p, bool split, __m256i& hi, __m256i& lo) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     lo = _mm256_setzero_si256();
@@ -59,7 +65,7 @@ TP_AMX TP_INLINE void split16(const T* p, bool split, __m256i& hi, __m256i& lo) 
   }
 }
 
-TP_AMX TP_INLINE __m512i join(__m256i a, __m256i b) {
+TP_BF16 TP_INLINE __m512i join(__m256i a, __m256i b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
 }
 
@@ -82,7 +88,7 @@ struct AmxScratch {
 // Keys (rows [0, len) of k, zero up to Lp) into B tiles: a 16 x 16 transpose of (key, dim pair)
 // 32-bit elements per tile.
 template <typename T, int64_t D>
-TP_AMX void pack_keys(HeadRows<T> k, int64_t len, int64_t Lp, bool split, uint16_t* hi,
+TP_BF16 void pack_keys(HeadRows<T> k, int64_t len, int64_t Lp, bool split, uint16_t* hi,
                       uint16_t* lo) {
   constexpr int64_t S = D / 32;
   for (int64_t nb = 0; nb < Lp / 16; ++nb)
@@ -114,7 +120,7 @@ TP_AMX void pack_keys(HeadRows<T> k, int64_t len, int64_t Lp, bool split, uint16
 // Values (rows [0, len), zero up to Lp) into B tiles: rows 2r and 2r + 1 of a key step
 // interleaved element by element.
 template <typename T, int64_t D>
-TP_AMX void pack_values(HeadRows<T> v, int64_t len, int64_t Lp, bool split, uint16_t* hi,
+TP_BF16 void pack_values(HeadRows<T> v, int64_t len, int64_t Lp, bool split, uint16_t* hi,
                         uint16_t* lo) {
   const int64_t steps = Lp / 32;
   for (int64_t ks = 0; ks < steps; ++ks)
@@ -217,7 +223,7 @@ TP_INLINE __mmask16 first_n(int64_t n) {  // lanes [0, n) of 16
 // len), 1 / the row sum into inv. P's rows [rows, 16 * ceil(rows / 16)) are zeroed (the last A
 // tile reads them).
 template <bool kSplit>
-TP_AMX void softmax_block(float* s, int64_t rows, int64_t i0, int64_t len, int64_t Lp,
+TP_BF16 void softmax_block(float* s, int64_t rows, int64_t i0, int64_t len, int64_t Lp,
                           float scale, const float* bias, uint16_t* p_hi, uint16_t* p_lo,
                           float* inv) {
   const float log2e = 1.44269504088896341f;
@@ -343,9 +349,12 @@ TP_AMX void attend_amx(HeadRows<T> q, HeadRows<T> k, HeadRows<T> v, int64_t H, i
   outputs(blocks - 1);
 }
 
-#else  // AVX2: no AMX path; amx_ready() is false, so run() never calls attend_amx.
+#include "cpu_encoder_attention_dot.h"  // the vdpbf16ps path (attend_dot)
+
+#else  // AVX2: no AMX or vdpbf16ps path; the *_ready() are false, so run() never calls them.
 
 bool amx_ready() { return false; }
+inline bool dot_bf16_ready() { return false; }
 struct AmxScratch {};
 inline void amx_begin() {}
 inline void amx_end() {}
@@ -353,6 +362,11 @@ template <typename T, int64_t D, bool kSplit>
 void attend_amx(HeadRows<T>, HeadRows<T>, HeadRows<T>, int64_t, int64_t, int64_t, int64_t, float,
                 const float*, T*, int64_t, AmxScratch&) {
   TORCH_CHECK(false, "the AMX-bf16 path is not in this build");
+}
+template <typename T, int64_t D>
+void attend_dot(HeadRows<T>, HeadRows<T>, HeadRows<T>, int64_t, int64_t, int64_t, int64_t, float,
+                const float*, T*, int64_t, AmxScratch&) {
+  TORCH_CHECK(false, "the vdpbf16ps path is not in this build");
 }
 
 #endif  // TP_ISA_AVX512
@@ -396,7 +410,7 @@ void run(View q, View k, View v, const at::Tensor& starts, const at::Tensor& len
   at::parallel_for(0, workers, 1, [&](int64_t b, int64_t e) {
     Scratch sc;
     AmxScratch amx;
-    if (matmul != kFloat32) amx_begin();  // tile configuration is per thread
+    if (is_amx(matmul)) amx_begin();  // tile configuration is per thread
     for (int64_t w = b; w < e; ++w) {
       for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
         const int64_t i = order[t / H];
@@ -425,10 +439,12 @@ void run(View q, View k, View v, const at::Tensor& starts, const at::Tensor& len
           attend_amx<T, D, true>(qr, kr, vr, H, num_keys, q_len, h, sc_, hb, o, os[i], amx);
         else if (matmul == kBf16)
           attend_amx<T, D, false>(qr, kr, vr, H, num_keys, q_len, h, sc_, hb, o, os[i], amx);
+        else if (matmul == kBf16Dot)
+          attend_dot<T, D>(qr, kr, vr, H, num_keys, q_len, h, sc_, hb, o, os[i], amx);
         else
           attend<T, D>(qr, kr, vr, H, num_keys, q_len, h, sc_, hb, o, os[i], sc);
       }
     }
-    if (matmul != kFloat32) amx_end();
+    if (is_amx(matmul)) amx_end();
   });
 }

@@ -208,7 +208,7 @@ class AsyncEngineArgs(EngineArgs):
     """Log each request (its route and body, cut to --max-log-len characters)."""
 
     @staticmethod
-    def add_cli_args(  # type: ignore[override]
+    def add_cli_args(
         parser: argparse.ArgumentParser, *, include_model: bool = True
     ) -> argparse.ArgumentParser:
         from tidepool.engine.cli_flags import add_engine_flags

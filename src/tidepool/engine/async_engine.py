@@ -54,15 +54,7 @@ from tidepool.engine.args import build_engine_config
 from tidepool.engine.chunked import combine, expand, has_chunks
 from tidepool.engine.engine_core import EngineCore
 from tidepool.engine.generate_inputs import eos_token_ids
-from tidepool.engine.generation_stream import (
-    GenerationInput,
-    GenerationStream,
-    PoolingGroup,
-    PoolingSubmission,
-    Resolution,
-    StreamGroup,
-    deliver,
-)
+from tidepool.engine.generation_stream import GenerationInput, GenerationStream, StreamGroup
 from tidepool.engine.input_processor import InputProcessor
 from tidepool.engine.llm_engine import (
     EngineClosedError,
@@ -70,10 +62,12 @@ from tidepool.engine.llm_engine import (
     LLMEngine,
     StepRecord,
 )
+from tidepool.engine.pooling_future import PoolingGroup, PoolingSubmission, Resolution, deliver
 from tidepool.engine.shared_work import SharedWork, SharedWorkOptions
 from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
+from tidepool.utils.lists import filled
 
 __all__ = [
     "AsyncEngine",
@@ -355,8 +349,11 @@ class AsyncEngine:
         if not has_chunks(items):
             return await self._run_pooling(items)
         expansion = expand(items)
-        outputs = await self._run_pooling(expansion.flat)  # type: ignore[arg-type]
-        return combine(expansion, outputs, [], self.model_config)[0]  # type: ignore[return-value]
+        # The items passed _requests_or_raise: every flat item is a Request, every output there.
+        requests = [r for r in expansion.flat if isinstance(r, Request)]
+        assert len(requests) == len(expansion.flat)
+        outputs = await self._run_pooling(requests)
+        return filled(combine(expansion, outputs, [], self.model_config)[0])
 
     async def _run_pooling(self, requests: list[Request]) -> list[PoolingRequestOutput]:
         if not self.shared_work.options.enabled:
@@ -496,4 +493,4 @@ def _requests_or_raise(items: list[Any]) -> list[Any]:
     errors = [item for item in items if isinstance(item, RequestError)]
     if errors:
         raise BatchInputError(errors)
-    return items  # type: ignore[return-value]
+    return items

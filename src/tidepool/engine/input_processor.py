@@ -46,6 +46,7 @@ from tidepool.engine.truncation import (
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
+from tidepool.utils.lists import filled
 
 PROMPT_TYPES_HINT = (
     "a string, or a dict with 'prompt' (string) or 'prompt_token_ids' (list of ints)"
@@ -155,7 +156,8 @@ class InputProcessor:
         if isinstance(budget, str) or not self._is_multi_vector(params):
             return budget
         query = is_query(self.model_config, params.prompt_name)
-        num_tokens = self.multi_vector.num_text_tokens(query, self._num_special)  # type: ignore[union-attr]
+        assert self.multi_vector is not None  # _is_multi_vector
+        num_tokens = self.multi_vector.num_text_tokens(query, self._num_special)
         return Budget(min(num_tokens, budget.num_tokens), truncate=True)
 
     def _truncation(self, params: PoolingParams) -> int | None:
@@ -244,9 +246,11 @@ class InputProcessor:
                 long_texts.append((i, text, params[i]))
             else:
                 results[i] = self._finish_text(i, text, first, budget, params[i])
-        for i, item in self._long.texts(long_texts) if long_texts else ():  # type: ignore[union-attr]
-            results[i] = item
-        return results  # type: ignore[return-value]
+        if long_texts:
+            assert self._long is not None  # only it takes long texts
+            for i, item in self._long.texts(long_texts):
+                results[i] = item
+        return filled(results)
 
     def _finish_text(
         self, index: int, text: str, first: FirstTokens, budget: Budget, params: PoolingParams
@@ -267,7 +271,8 @@ class InputProcessor:
         ids, types = self._prefix_tokenizer.with_special_tokens(ids)
         if self._is_multi_vector(params):
             query = is_query(self.model_config, params.prompt_name)
-            shaped = self.multi_vector.shape(ids, query)  # type: ignore[union-attr]
+            assert self.multi_vector is not None  # _is_multi_vector
+            shaped = self.multi_vector.shape(ids, query)
             return self._make(index, shaped.token_ids, None, params, shaped.num_attended_tokens)
         return self._make(index, ids, types if self.keep_token_types else None, params)
 
@@ -317,9 +322,11 @@ class InputProcessor:
                 long_pairs.append((i, both[0].token_ids, doc, params[i]))
             else:
                 results[i] = self._finish_pair(i, pairs[i], both, budget, params[i])
-        for i, item in self._long.pairs(long_pairs) if long_pairs else ():  # type: ignore[union-attr]
-            results[i] = item
-        return results  # type: ignore[return-value]
+        if long_pairs:
+            assert self._long is not None  # only it takes long pairs
+            for i, item in self._long.pairs(long_pairs):
+                results[i] = item
+        return filled(results)
 
     def _finish_pair(
         self,
@@ -455,7 +462,10 @@ class InputProcessor:
                 token_ids[i] = p.token_ids
             else:
                 texts.append((i, p.text))  # type: ignore[arg-type]
-        keeps_last = [params[i].truncate_prompt_tokens is not None for i, _ in texts]
+        keeps_last = [
+            params[i].truncate_prompt_tokens is not None and params[i].truncation_side == "left"
+            for i, _ in texts
+        ]
         encoded = tokenize_generate(
             self._prefix_tokenizer,
             self.max_model_len,
@@ -471,9 +481,7 @@ class InputProcessor:
         for i, ids in enumerate(token_ids):
             if ids is None:
                 continue
-            keep = params[i].truncate_prompt_tokens
-            if keep is not None:
-                ids = ids[-keep:]
+            ids = keep(ids, params[i].truncate_prompt_tokens, params[i].truncation_side)
             if not ids:
                 results[i] = RequestError(i, "the prompt has no tokens")
             elif error := self._check_len(len(ids)):
@@ -485,4 +493,4 @@ class InputProcessor:
                     sampling_params=params[i],
                     eos_token_ids=eos_token_ids,
                 )
-        return results  # type: ignore[return-value]
+        return filled(results)

@@ -336,7 +336,7 @@ class _BatchCollector:
 
     def start_progress(self, use_tqdm: bool) -> None:
         if use_tqdm and len(self.slot_of) > 1:
-            from tqdm.auto import tqdm  # type: ignore[import-untyped]
+            from tqdm.auto import tqdm
 
             self.pbar = tqdm(total=len(self.slot_of), desc="Processed prompts", dynamic_ncols=True)
 

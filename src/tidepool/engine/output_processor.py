@@ -233,7 +233,8 @@ class OutputProcessor:
         stopped_by_token = finish_reason == "stop"
         if stopped_by_token and not params.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]  # EOS / a stop token adds no text (vLLM)
-        new_text = state.detokenizer.add(new_token_ids)  # type: ignore[union-attr]
+        assert state.detokenizer is not None  # called for detokenized requests only
+        new_text = state.detokenizer.add(new_token_ids)
         state.text += new_text
         if not params.stop or stopped_by_token or not new_text:
             return None
@@ -251,13 +252,15 @@ class OutputProcessor:
 
     def _add_logprobs(self, state: _RequestState, out: EngineCoreOutput) -> None:
         decode = self.tokenizer.decode if self.tokenizer is not None else None
+        logprobs = state.logprobs
+        assert logprobs is not None and state.cumulative_logprob is not None  # logprobs asked
         for position, token_id in zip(out.new_logprobs or (), out.new_token_ids, strict=True):
             entry = {
                 tid: Logprob(logprob, rank, decode([tid]) if decode else None)
                 for tid, logprob, rank in position
             }
-            state.logprobs.append(entry)  # type: ignore[union-attr]
-            state.cumulative_logprob += entry[token_id].logprob  # type: ignore[operator]
+            logprobs.append(entry)
+            state.cumulative_logprob += entry[token_id].logprob
 
     @staticmethod
     def _output(state: _RequestState, finish_reason: str, stop_reason: Any) -> RequestOutput:

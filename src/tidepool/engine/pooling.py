@@ -99,7 +99,7 @@ def cosine_scores(
     scores: list[float | None] = [None] * len(pair_slots)
     if not scored:
         return scores
-    stacked = torch.stack([embeddings[i] for i in present])  # type: ignore[misc]
+    stacked = torch.stack([embeddings[i] for i in present])
     left = stacked[[row_of[pair_slots[i][0]] for i in scored]]
     right = stacked[[row_of[pair_slots[i][1]] for i in scored]]
     for i, score in zip(scored, F.cosine_similarity(left, right, dim=-1).tolist(), strict=True):

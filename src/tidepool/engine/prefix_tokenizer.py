@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from tokenizers import Encoding, Tokenizer
 
+from tidepool.utils.lists import filled
+
 MIN_CHARS = 4096
 """A text of up to this many characters is read whole in one go (a few milliseconds)."""
 FIRST_CHARS_PER_TOKEN = 8
@@ -133,12 +135,14 @@ class PrefixTokenizer:
             raise ValueError("this tokenizer has no template for text pairs")
         for piece in template:
             if piece.sequence is None:
-                ids.append(piece.token_id)  # type: ignore[arg-type]
+                assert piece.token_id is not None  # a special token's piece
+                ids.append(piece.token_id)
                 types.append(piece.type_id)
             else:
                 tokens = first if piece.sequence == 0 else second
-                ids.extend(tokens)  # type: ignore[arg-type]
-                types.extend([piece.type_id] * len(tokens))  # type: ignore[arg-type]
+                assert tokens is not None  # the pair template is chosen for a second text
+                ids.extend(tokens)
+                types.extend([piece.type_id] * len(tokens))
         return ids, types
 
     def first_tokens(
@@ -177,7 +181,7 @@ class PrefixTokenizer:
                 num_chars[i] = _clamp(max(2 * read, guess), len(texts[i]), limit)
                 still_pending.append(i)
             pending = still_pending
-        return results  # type: ignore[return-value]
+        return filled(results)
 
     def _num_safe(self, enc: Encoding, prefix_len: int) -> int:
         """How many leading tokens of a cut prefix's encoding equal the full text's."""

@@ -20,7 +20,7 @@ from tidepool.engine.args import (
     build_engine_config,
     engine_args_from_vllm,
 )
-from tidepool.engine.chunked import combine, expand, has_chunks
+from tidepool.engine.chunked import ChunkedInput, combine, expand, has_chunks
 from tidepool.engine.engine_core import EngineCore, EngineMetrics
 from tidepool.engine.generate_inputs import eos_token_ids
 from tidepool.engine.generation_stream import GenerationInput
@@ -59,6 +59,7 @@ from tidepool.outputs import (
 from tidepool.params import PoolingParams, SamplingParams, check_pooling_task
 from tidepool.request import Request
 from tidepool.signatures import fields_as_keywords
+from tidepool.utils.lists import filled
 
 __all__ = [
     "CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS",
@@ -139,30 +140,28 @@ class LLM:
         return out
 
     def _run(
-        self, items: list[Request | RequestError], use_tqdm: bool
+        self, items: Sequence[Request | RequestError | ChunkedInput], use_tqdm: bool
     ) -> tuple[list[PoolingRequestOutput | None], list[RequestError]]:
         """Run every request; per-prompt errors are returned, never raised. Long inputs run
         in chunks whose outputs are combined (engine/chunked.py)."""
         if has_chunks(items):
             expansion = expand(items)
-            results, errors = self._run(expansion.flat, use_tqdm)
-            return combine(expansion, results, errors, self.model_config)
+            flat_results, flat_errors = self._run(expansion.flat, use_tqdm)
+            return combine(expansion, flat_results, flat_errors, self.model_config)
         errors = [item for item in items if isinstance(item, RequestError)]
         # Longest first: each step then packs sequences of similar length (cheaper attention).
-        order = sorted(
-            (i for i, item in enumerate(items) if isinstance(item, Request)),
-            key=lambda i: -items[i].num_prompt_tokens,  # type: ignore[union-attr]
+        requests = sorted(
+            ((i, item) for i, item in enumerate(items) if isinstance(item, Request)),
+            key=lambda pair: -pair[1].num_prompt_tokens,
         )
-        outputs, rejected = self.llm_engine.run_batch(
-            [items[i] for i in order],  # type: ignore[misc]
-            use_tqdm,
-        )
+        outputs, rejected = self.llm_engine.run_batch([r for _, r in requests], use_tqdm)
         results: list[PoolingRequestOutput | None] = [None] * len(items)
-        for i, out, why in zip(order, outputs, rejected, strict=True):
+        for (i, _), out, why in zip(requests, outputs, rejected, strict=True):
             if why is not None:
                 errors.append(RequestError(i, why))
             else:
-                results[i] = out  # type: ignore[assignment]
+                assert isinstance(out, PoolingRequestOutput)  # pooling requests in
+                results[i] = out
         errors.sort(key=lambda e: e.index)
         return results, errors
 
@@ -457,10 +456,11 @@ class LLM:
             self._eos_token_ids,
             add_special_tokens=add_special_tokens,
         )
-        accepted = [j for j, item in enumerate(items) if isinstance(item, Request)]
+        requests = [(j, item) for j, item in enumerate(items) if isinstance(item, Request)]
+        accepted = [j for j, _ in requests]
         inputs = [
-            GenerationInput(items[j], prompt_text(prompts[children[j][0]]), children[j][1])  # type: ignore[arg-type]
-            for j in accepted
+            GenerationInput(item, prompt_text(prompts[children[j][0]]), children[j][1])
+            for j, item in requests
         ]
         outputs, rejected = self.llm_engine.run_batch(inputs, use_tqdm)
         results: list[RequestOutput | None] = [None] * len(prompts)
@@ -472,13 +472,15 @@ class LLM:
             i = children[j][0]
             if why is not None:
                 errors.setdefault(i, why)
-            elif results[i] is None:
-                results[i] = out  # type: ignore[assignment]
             else:
-                results[i].outputs.extend(out.outputs)  # type: ignore[union-attr, arg-type]
+                assert isinstance(out, RequestOutput)  # generating requests in
+                if (first := results[i]) is None:
+                    results[i] = out
+                else:
+                    first.outputs.extend(out.outputs)
         for result in results:
             if result is not None:
                 result.outputs.sort(key=lambda c: c.index)
         if errors:
             raise BatchInputError([RequestError(i, m) for i, m in sorted(errors.items())], results)
-        return results  # type: ignore[return-value]
+        return filled(results)

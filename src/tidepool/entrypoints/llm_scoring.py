@@ -29,6 +29,7 @@ from tidepool.engine.prompts import check_prompt_name
 from tidepool.entrypoints.llm_outputs import late_interaction_failures, pair_score_outputs
 from tidepool.outputs import BatchInputError, PoolingRequestOutput, RequestError
 from tidepool.outputs import ScoringRequestOutput as ScoreOut
+from tidepool.utils.lists import filled
 
 Encode = Callable[
     [list[Any], str, str | None], tuple[list[PoolingRequestOutput | None], list[RequestError]]
@@ -90,7 +91,7 @@ def score_by_embedding(
         if failures:
             errors = [RequestError(i, message) for i, message in sorted(failures.items())]
             raise BatchInputError(errors, outputs)
-        return outputs  # type: ignore[return-value]
+        return filled(outputs)
     sides = plan_late_interaction_scores(pairs)
     queries, query_errors = encode(sides.queries, "embed", prompt_name)
     documents, document_errors = encode(sides.documents, "embed", document_prompt_name)
@@ -132,4 +133,4 @@ def _outputs(
     outputs = pair_score_outputs(queries, documents, pair_slots, scores)
     if failures:
         raise BatchInputError(failures, outputs)
-    return outputs  # type: ignore[return-value]
+    return filled(outputs)

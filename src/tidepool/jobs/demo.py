@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
+
+from tidepool.ray.pooling import OfflineLLM
 
 _SUBJECTS = [
     "The engine",
@@ -69,7 +70,7 @@ def demo_corpus(num_texts: int = 300, seed: int = 0) -> list[str]:
     ]
 
 
-def run_demo(llm: Any, num_texts: int = 300) -> None:
+def run_demo(llm: OfflineLLM, num_texts: int = 300) -> None:
     texts = demo_corpus(num_texts)
     llm.embed(texts[:8], use_tqdm=False)  # warm-up: first-call allocations are not throughput
     start = time.perf_counter()

@@ -33,7 +33,6 @@ from tidepool.jobs.manifest import (
     read_manifest,
     refuse_other_job,
 )
-from tidepool.jobs.pooling import PooledRows, pool_rows
 from tidepool.jobs.rows import AnyRow, BadRow, Row
 from tidepool.jobs.writers import (
     OUTPUT_FORMATS,
@@ -47,6 +46,7 @@ from tidepool.jobs.writers import (
     open_writer,
     remove_output,
 )
+from tidepool.ray.pooling import OfflineLLM, PooledRows, pool_rows
 
 ON_ERROR = ("skip", "fail")
 NUM_ERRORS_SHOWN = 5
@@ -106,7 +106,7 @@ class JobResult:
     """With on_error="fail": the bad row the job stopped at."""
 
 
-def embed_chunk(llm: Any, rows: list[Row], job: EmbedJob) -> PooledRows:
+def embed_chunk(llm: OfflineLLM, rows: list[Row], job: EmbedJob) -> PooledRows:
     """The engine over one chunk's good rows: [len(rows), dim] values and per-row errors."""
     from tidepool.params import PoolingParams
 
@@ -134,7 +134,7 @@ def _chunks(rows: Iterator[AnyRow], size: int, stop_at_bad: bool) -> Iterator[li
         yield chunk
 
 
-def _embed(llm: Any, chunk: list[AnyRow], job: EmbedJob) -> ChunkResult:
+def _embed(llm: OfflineLLM, chunk: list[AnyRow], job: EmbedJob) -> ChunkResult:
     good = [row for row in chunk if isinstance(row, Row)]
     bad = [row for row in chunk if isinstance(row, BadRow)]
     kept: list[Row] = []
@@ -162,7 +162,7 @@ def manifest_path(output: Path) -> Path:
     return sibling(output, ".manifest.json")
 
 
-def job_manifest(llm: Any, job: EmbedJob) -> dict[str, Any]:
+def job_manifest(llm: OfflineLLM, job: EmbedJob) -> dict[str, Any]:
     """Everything that decides the output's rows (jobs/manifest.py): a rerun resumes only when
     every field is the same."""
     return {
@@ -180,7 +180,7 @@ def job_manifest(llm: Any, job: EmbedJob) -> dict[str, Any]:
     }
 
 
-def _check_manifest(llm: Any, job: EmbedJob) -> None:
+def _check_manifest(llm: OfflineLLM, job: EmbedJob) -> None:
     """Write the manifest of a new output; refuse an existing output of other settings before
     anything of it is touched."""
     path = manifest_path(job.output)
@@ -199,7 +199,7 @@ def _check_manifest(llm: Any, job: EmbedJob) -> None:
         raise refuse_other_job(str(job.output), changed)
 
 
-def _open(llm: Any, job: EmbedJob, checkpoint: Checkpoint) -> tuple[int, Writer, ErrorLog]:
+def _open(llm: OfflineLLM, job: EmbedJob, checkpoint: Checkpoint) -> tuple[int, Writer, ErrorLog]:
     num_rows = count_rows(job.input)
     if job.overwrite:
         remove_output(job.output)
@@ -247,7 +247,9 @@ def check_output_path(output: Path) -> None:
         raise JobError(f"the output {output} cannot be written here: permission denied")
 
 
-def run_embed_job(llm: Any, job: EmbedJob, checkpoint: Checkpoint = no_checkpoint) -> JobResult:
+def run_embed_job(
+    llm: OfflineLLM, job: EmbedJob, checkpoint: Checkpoint = no_checkpoint
+) -> JobResult:
     """Embed every row not yet acknowledged in the output; see the module's error policy. The
     output is locked for the whole run: a second job on it stops at once (jobs/manifest.py)."""
     check_input_path(job.input)
@@ -256,7 +258,7 @@ def run_embed_job(llm: Any, job: EmbedJob, checkpoint: Checkpoint = no_checkpoin
         return _run_locked(llm, job, checkpoint)
 
 
-def _run_locked(llm: Any, job: EmbedJob, checkpoint: Checkpoint) -> JobResult:
+def _run_locked(llm: OfflineLLM, job: EmbedJob, checkpoint: Checkpoint) -> JobResult:
     from tqdm.auto import tqdm
 
     num_rows, writer, errors = _open(llm, job, checkpoint)

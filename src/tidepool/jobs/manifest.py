@@ -107,7 +107,7 @@ def _plain(value: dict[str, Any]) -> dict[str, Any]:
 
 def differences(recorded: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     """'field: recorded → wanted' for every field that differs (nested ones by dotted name)."""
-    out = []
+    out: list[str] = []
     for key in sorted(recorded.keys() | wanted.keys()):
         old, new = recorded.get(key), wanted.get(key)
         if isinstance(old, dict) and isinstance(new, dict):

@@ -39,9 +39,9 @@ from tidepool.jobs.plan import (
     prepare_output,
     write_json,
 )
-from tidepool.jobs.pooling import PooledRows
 from tidepool.jobs.rows import AnyRow, BadRow, Row, iter_row_lines, make_row, parse_line
 from tidepool.ray.data import Predictor, arrow_column, error_column
+from tidepool.ray.pooling import PooledRows
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -17,6 +17,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tidepool import envs
 from tidepool.kernels import cpu_features
@@ -88,13 +89,13 @@ def _put_ninja_on_path() -> None:
 
 
 def build_or_fall_back(
-    compile_fn: Callable[[str], object],
+    compile_fn: Callable[[str], Any],
     source_name: str,
     what: str,
     fallback: str,
     isa: str | None,
     lowest: str = "avx2",
-) -> object | None:
+) -> Any | None:
     """`compile_fn(isa)` where TIDEPOOL_CPU_ATTENTION allows it and `isa` (a build, chosen by
     the caller with cpu_features.best) is not None, else None with one warning line (`what` is
     off, `fallback` runs instead); `=native` makes a failed build an error. Shared by the

@@ -57,30 +57,33 @@ LEVELS: dict[str, tuple[str, ...]] = {
 
 
 @functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where it cannot be read): read once."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block ends
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's flags among FLAGS (empty off x86-64 or where /proc/cpuinfo cannot be read)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return frozenset()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split()) & frozenset(FLAGS)
-    return frozenset()
+    return frozenset(_cpuinfo().get("flags", "").split()) & frozenset(FLAGS)
 
 
 @functools.cache
 def cpu_model() -> str:
     """The CPU's model name ("unknown" where /proc/cpuinfo does not say)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return _cpuinfo().get("model name") or platform.processor() or "unknown"
 
 
 def cpu_has(level: str) -> bool:

@@ -38,10 +38,6 @@ class KVCacheBlocks:
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([block.block_id for block in group_blocks] for group_blocks in self.blocks)
 
-    @property
-    def num_blocks_per_group(self) -> int:
-        return len(self.blocks[0]) if self.blocks else 0
-
 
 class ComputedBlocks(NamedTuple):
     """A prefix-cache hit: pass `blocks` to `allocate_slots`; the request may skip its first

@@ -25,7 +25,7 @@ from tidepool.models.quantizable import (
     Handoff,
     Int8Layout,
 )
-from tidepool.models.weights import load_fused_weights
+from tidepool.models.weights import equal_thirds, load_fused_weights, qkv_markers
 
 
 def roberta_position_offset(config) -> int:
@@ -306,7 +306,7 @@ class BertModel(nn.Module):
         return name.replace(".gamma", ".weight").replace(".beta", ".bias")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, equal_thirds)
 
 
 class RobertaModel(BertModel):
@@ -367,7 +367,7 @@ class EncoderWithHead(nn.Module):
         return None if mapped is None else "body." + mapped
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, equal_thirds)
 
 
 class BertForSequenceClassification(EncoderWithHead):
@@ -421,14 +421,4 @@ class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
     body_cls = XLMRobertaModel
 
 
-_QKV = {
-    ".attention.self.query.": (".attention.self.qkv.", 0),
-    ".attention.self.key.": (".attention.self.qkv.", 1),
-    ".attention.self.value.": (".attention.self.qkv.", 2),
-}
-
-
-def _qkv_thirds(module: nn.Module, fused_name: str) -> list[int]:
-    """Rows of the query, key and value shards of a fused `qkv` parameter (equal heads)."""
-    rows = module.get_parameter(fused_name).shape[0]
-    return [rows // 3] * 3
+_QKV = qkv_markers(".attention.self.", "query", "key", "value")

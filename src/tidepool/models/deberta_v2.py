@@ -49,7 +49,7 @@ from tidepool.models.heads import BertForTokenClassification
 from tidepool.models.layers.activation import get_activation
 from tidepool.models.layers.linear import Linear
 from tidepool.models.quantizable import POSITION, PROJECTION, Int8Layout
-from tidepool.models.weights import load_fused_weights
+from tidepool.models.weights import equal_thirds, load_fused_weights, qkv_markers
 
 
 def make_log_bucket_position(
@@ -431,7 +431,7 @@ class DebertaV2Model(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, equal_thirds)
 
 
 class DebertaV2ForSequenceClassification(EncoderWithHead):
@@ -462,7 +462,7 @@ class DebertaV2ForSequenceClassification(EncoderWithHead):
     }
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, equal_thirds)
 
 
 class DebertaV2ForTokenClassification(BertForTokenClassification):
@@ -473,16 +473,7 @@ class DebertaV2ForTokenClassification(BertForTokenClassification):
     supports_first_token_only = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, equal_thirds)
 
 
-_QKV = {
-    ".attention.self.query_proj.": (".attention.self.qkv.", 0),
-    ".attention.self.key_proj.": (".attention.self.qkv.", 1),
-    ".attention.self.value_proj.": (".attention.self.qkv.", 2),
-}
-
-
-def _qkv_thirds(module: nn.Module, fused_name: str) -> list[int]:
-    rows = module.get_parameter(fused_name).shape[0]
-    return [rows // 3] * 3
+_QKV = qkv_markers(".attention.self.", "query_proj", "key_proj", "value_proj")

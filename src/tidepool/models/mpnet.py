@@ -39,15 +39,23 @@ def relative_position_bucket(relative_position: torch.Tensor) -> torch.Tensor:
 
 
 class MPNetSelfAttention(BertSelfAttention):
-    def forward(  # type: ignore[override]
-        self, x: torch.Tensor, meta: EncoderAttentionMetadata, bias: RelativePositionBias
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+        bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
+        assert bias is not None, "MPNet's attention needs its relative position bias"
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
         return self.attention_backend.attend(qkv, meta, self.scale, bias)
 
-    def forward_first_tokens(  # type: ignore[override]
-        self, x: torch.Tensor, meta: EncoderAttentionMetadata, bias: RelativePositionBias
+    def forward_first_tokens(
+        self,
+        x: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+        bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
+        assert bias is not None, "MPNet's attention needs its relative position bias"
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
         return self.attention_backend.attend_first_tokens(qkv, meta, self.scale, bias)
 
@@ -57,8 +65,11 @@ class MPNetAttention(BertAttention):
         super().__init__(config)
         self.self = MPNetSelfAttention(config)
 
-    def forward(  # type: ignore[override]
-        self, x: torch.Tensor, meta: EncoderAttentionMetadata, bias: RelativePositionBias
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+        bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         return self.output(self.self(x, meta, bias), x)
 
@@ -68,18 +79,21 @@ class MPNetLayer(BertLayer):
         super().__init__(config)
         self.attention = MPNetAttention(config)
 
-    def forward(  # type: ignore[override]
-        self, x: torch.Tensor, meta: EncoderAttentionMetadata, bias: RelativePositionBias
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: EncoderAttentionMetadata,
+        bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         x = self.attention(x, meta, bias)
         return self.output(self.intermediate(x), x)
 
-    def forward_first_tokens(  # type: ignore[override]
+    def forward_first_tokens(
         self,
         x: torch.Tensor,
         meta: EncoderAttentionMetadata,
         first_slots: torch.Tensor,
-        bias: RelativePositionBias,
+        bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         attention = self.attention
         context = attention.self.forward_first_tokens(x, meta, bias)

@@ -32,7 +32,7 @@ from tidepool.models.bert import BertModel
 from tidepool.models.layers.linear import Linear
 from tidepool.models.layers.rmsnorm import RMSNorm
 from tidepool.models.quantizable import ATTENTION_OUT, FFN_DOWN, FFN_UP, QKV, Handoff, Int8Layout
-from tidepool.models.weights import load_fused_weights
+from tidepool.models.weights import equal_thirds, load_fused_weights, qkv_markers
 
 # T5's relative positions have no limit; model_loader/resolve.py caps prompts at the config's
 # max_position_embeddings or this (sentence-t5 / GTR cap at 256 through sentence-transformers).
@@ -204,8 +204,8 @@ class T5EncoderModel(BertModel):
     def __init__(self, config) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.embeddings = T5Embeddings(config)  # type: ignore[assignment]
-        self.encoder = T5Stack(config)  # type: ignore[assignment]
+        self.embeddings = T5Embeddings(config)
+        self.encoder = T5Stack(config)
         self.attention_backend = BUCKETED_SDPA
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
@@ -245,20 +245,11 @@ class T5EncoderModel(BertModel):
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_weights(self, weights, self.map_weight_name, _QKV, _qkv_thirds)
+        return load_fused_weights(self, weights, self.map_weight_name, _QKV, equal_thirds)
 
 
 class MT5EncoderModel(T5EncoderModel):
     """mT5: T5 v1.1's layers (gated-gelu, untied head) with a multilingual vocabulary."""
 
 
-_QKV = {
-    ".SelfAttention.q.": (".SelfAttention.qkv.", 0),
-    ".SelfAttention.k.": (".SelfAttention.qkv.", 1),
-    ".SelfAttention.v.": (".SelfAttention.qkv.", 2),
-}
-
-
-def _qkv_thirds(module: nn.Module, fused_name: str) -> list[int]:
-    rows = module.get_parameter(fused_name).shape[0]
-    return [rows // 3] * 3
+_QKV = qkv_markers(".SelfAttention.", "q", "k", "v")

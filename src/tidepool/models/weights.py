@@ -23,6 +23,21 @@ FusedMarkers = Mapping[str, tuple[str, int]]
 order along dim 0."""
 
 
+def qkv_markers(attention: str, query: str, key: str, value: str) -> FusedMarkers:
+    """The marker table of an encoder whose `attention` module holds `query`, `key` and `value`
+    linears, fused as its `qkv` (rows in that order): BERT's, DeBERTa's, T5's."""
+    return {
+        f"{attention}{name}.": (f"{attention}qkv.", index)
+        for index, name in enumerate((query, key, value))
+    }
+
+
+def equal_thirds(module: nn.Module, fused_name: str) -> list[int]:
+    """Rows of the query, key and value shards of a fused `qkv` parameter (equal heads)."""
+    rows = module.get_parameter(fused_name).shape[0]
+    return [rows // 3] * 3
+
+
 def load_fused_weights(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],

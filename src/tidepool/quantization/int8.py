@@ -72,23 +72,19 @@ weight it moves, the more a small sample's maxima matter)."""
 
 SMOOTHED_ROLES = (QKV, FFN_UP)
 """The roles (models/quantizable.py) whose input is a LayerNorm output (outlier channels) get
-smoothed; the others
-(attention output, FFN down) take their input as it is: all-MiniLM-L6-v2, 400 texts, smoothing
+smoothed; the others (attention output, FFN down) take their input as it is: all-MiniLM-L6-v2, 400 texts, smoothing
 every linear 0.9945 / 0.9979 (cos min / mean), only these 0.9961 / 0.9980, one pass less each
 for the other two."""
 
 TWO_PART_ROLES = (QKV, FFN_UP, FFN_DOWN)
-"""The roles whose weights are two-part int8 (W ≈ s·(hi + lo/254), two int8 GEMMs: ~15-bit
-weights): every linear but the attention output (and DeBERTa's position / embedding
-projections), 92% of MiniLM's linear FLOPs. all-MiniLM-L6-v2, 1,000 corpus texts on two text
-sets, top-10 overlap (simulated asymmetric inputs): 0.955 / 0.958 (every linear two-part:
-0.959 / 0.957; QKV + attention output + FFN down, 67%: 0.951 / 0.949; QKV + FFN down, 58%:
-0.949 / 0.952; none: 0.935 / 0.935): docs/performance.md, "int8", round three."""
+"""The roles (models/quantizable.py) whose weights are two-part int8 (W ≈ s·(hi + lo/254), two
+int8 GEMMs: ~15-bit weights): every linear but the attention output (and DeBERTa's position /
+embedding projections), 92% of MiniLM's linear FLOPs; the choice against the other subsets, by
+top-10 overlap on the corpus: docs/performance.md, "int8", round three."""
 
 TWO_PART_ALPHA = 0.8
 """SmoothQuant's alpha on the smoothed two-part linears (QKV, FFN up): two-part weights take the
-inputs' outliers at no loss. Every linear two-part, top-10 overlap 0.953 / 0.954 at 0.5, 0.959 /
-0.957 at 0.8, 0.956 / 0.954 at 1.0."""
+inputs' outliers at no loss (alpha against 0.5 and 1.0: docs/performance.md, "int8")."""
 
 
 MIN_LOAD_COSINE = 0.99
@@ -259,7 +255,8 @@ class Int8Recipe:
 
 
 DEFAULT_RECIPE = Int8Recipe()
-"""The recipe a model gets unless its `int8_layout` changes some fields (`recipe_for`): two-part weights on QKV, FFN up and FFN down (smoothed at alpha 0.8 where smoothed), GPTQ
+"""The recipe a model gets unless its `int8_layout` changes some fields (`recipe_for`):
+two-part weights on QKV, FFN up and FFN down (smoothed at alpha 0.8 where smoothed), GPTQ
 (damping 0.3) on the attention output, smoothing on QKV / FFN up, every input asymmetric:
 all-MiniLM-L6-v2, 1,000 corpus texts, cos min / mean 0.99919 / 0.99968, top-10 overlap 0.955 /
 0.958 on two text sets (simulated asymmetric inputs; on today's kernels as two Int8Linears per

@@ -4,7 +4,11 @@
     tidepool.ray.embed_dataset    ds → ds + embedding / error columns (classify_dataset,
                                   score_dataset, map_dataset likewise)
     tidepool.jobs.ray_runner      `tidepool embed --ray`: files in, parquet files out, resumable
-    tidepool.ray.serve            N replicas of the OpenAI-compatible server on Ray Serve
+    tidepool.ray.pool_rows        rows through any `OfflineLLM` (ray/pooling.py), bad rows as errors
+    tidepool.entrypoints.ray_serve  N replicas of the OpenAI-compatible server on Ray Serve
+
+ray/ sits below jobs/ (whose Ray runner maps shards with the Predictor) and entry points: it
+imports neither.
 
 The engine stays a single-process library; Ray runs many of them (see docs/ray.md). Needs
 `pip install 'tidepool[ray]'`; importing this package does not import Ray.

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tidepool.checkpoint.loader import DEFAULT_MODEL
-from tidepool.jobs.pooling import PooledRows, pool_rows
+from tidepool.ray.pooling import PooledRows, pool_rows
 from tidepool.signatures import fields_as_keywords
 
 if TYPE_CHECKING:

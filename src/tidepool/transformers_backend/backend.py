@@ -241,12 +241,12 @@ def _parameters_on_meta(dtype: torch.dtype) -> Iterator[None]:
         register(module, name, param)
 
     default_dtype = torch.get_default_dtype()
-    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_on_meta
     torch.set_default_dtype(dtype)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.Module.register_parameter = register
         torch.set_default_dtype(default_dtype)
 
 

@@ -25,7 +25,7 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
     """vLLM's parser: `--max_model_len` is read as `--max-model-len` (underscores in a flag's
     name are dashes), and `--flag=value` works as usual."""
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         import sys
 
         argv = list(sys.argv[1:] if args is None else args)

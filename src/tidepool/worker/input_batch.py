@@ -222,9 +222,10 @@ def _token_layout(
     tensors. numpy's repeat, not torch.repeat_interleave: the latter took ~6 ms a call at 64
     decodes on the 2-core machine (two calls: ~1% of a decode step)."""
     q = np.asarray(query_lens, dtype=np.int64)
-    cu = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    cu: np.ndarray = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(q, out=cu[1:])
     context = np.asarray(context_lens, dtype=np.int64)
+    token_request: np.ndarray
     if num_tokens == len(query_lens):  # decodes only: one token per request
         token_request = np.arange(num_tokens, dtype=np.int64)
         positions = context
@@ -238,7 +239,7 @@ def _token_layout(
 def _pad_table(tables: list[list[int]]) -> np.ndarray:
     """Block tables → [num_requests, max_blocks] int64, 0 (the null block) after each row's end."""
     width = max((len(t) for t in tables), default=0)
-    out = np.zeros((len(tables), max(width, 1)), dtype=np.int64)
+    out: np.ndarray = np.zeros((len(tables), max(width, 1)), dtype=np.int64)
     for i, table in enumerate(tables):
         out[i, : len(table)] = table
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -28,6 +28,7 @@ from tidepool.model_loader.registry import build_model
 from tidepool.models.interfaces import DecoderModel, EncoderModel, LanguageModelHead
 from tidepool.params import PoolingParams
 from tidepool.request import Request
+from tidepool.utils.lists import filled
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
 from tidepool.worker.memory import NativeMemory
 from tidepool.worker.pooler import Pooler, PoolingMetadata
@@ -40,13 +41,8 @@ CAUSAL_MAX_PAD_FRACTION = 0.25
 
 # CPU encoder steps up to this many tokens run on one thread: their ops are so short that waking
 # the other OpenMP threads (they sleep between ops under OMP_WAIT_POLICY=PASSIVE) costs more
-# than it saves. Measured on the 2-core machine, MiniLM, one text, p50 of 2 threads vs 1: bf16
-# 8 tokens 9.0 vs 5.0 ms, 32 tokens 9.8 vs 5.7-6.1, 64 tokens 11.9 vs 8.6, 128 tokens 14.6 vs
-# 12.0, 252 tokens 21.0 vs 21.5. float32 and int8 (docs/performance.md, "One short text"; the
-# two sides alternating in one process, load 2.5-6.5): float32 32 tokens 7.8 vs 7.1 ms (load
-# 2.5), 19.1-20.0 vs 16.4-16.9 (load 6.5), 64 tokens 1.04x for 1 thread, 128 tokens tied (0.97-
-# 1.11x); int8 32 tokens 1.19-1.36x for 1 thread, 64 tokens 1.16-1.19x, 128 1.09-1.11x.
-# Switching costs ~0.3 us.
+# than it saves; the limits per dtype are where two threads stopped losing (the measurements:
+# docs/performance.md, "One short text", "The second thread").
 SINGLE_THREAD_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 192, torch.float16: 192}
 SINGLE_THREAD_MAX_TOKENS_QUANTIZED = {"int8": 96}
 """The same limit for a quantized model (its dtype is float32: the activations' dtype)."""
@@ -131,16 +127,17 @@ class ModelRunner:
         group_of = {
             name: g for g, group in enumerate(kv_config.groups) for name in group.layer_names
         }
-        names = [name for name, spec in specs.items() if spec is not None]
+        layer_specs = {name: spec for name, spec in specs.items() if spec is not None}
+        names = list(layer_specs)
         self.kv_caches = [caches[name] for name in names]
         # One attention view per (group, layer spec): a layer keeps its own window even where the
         # uniform layout put it in a full-attention group.
         views: dict[AttentionView, int] = {}
         for name in names:
-            views.setdefault(AttentionView(group_of[name], specs[name]), len(views))
+            views.setdefault(AttentionView(group_of[name], layer_specs[name]), len(views))
         self.attention_views = tuple(views)
         self.layer_groups = tuple(
-            views[AttentionView(group_of[name], specs[name])] for name in names
+            views[AttentionView(group_of[name], layer_specs[name])] for name in names
         )
         self.kv_cache_config = kv_config
         if all(
@@ -199,8 +196,7 @@ class ModelRunner:
         if self.sampler is not None:
             return True
         return not any(
-            self.pooler.reads_all_tokens(r.pooling_params)  # type: ignore[arg-type]
-            for r in sched_out.scheduled
+            self.pooler.reads_all_tokens(p) for p in _pooling_params(sched_out.scheduled)
         )
 
     def _execute_encoder(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor]:
@@ -234,7 +230,7 @@ class ModelRunner:
             dtype=self.config.model.dtype,
             key_lens=_key_lens(requests),
         )
-        params: list[PoolingParams] = [r.pooling_params for r in requests]  # type: ignore[misc]
+        params = _pooling_params(requests)
         model = cast(EncoderModel, self.model)  # _check_contract: not causal → EncoderModel
         if self._pools_first_tokens_only(params):
             # hidden: [num_seqs, hidden], each sequence's first token; to the pooler every
@@ -266,7 +262,7 @@ class ModelRunner:
         meta = PoolingMetadata(
             seq_lens=batch.query_lens,
             cu_seqlens=batch.cu_query_lens,
-            params=[r.pooling_params for r in batch.requests],  # type: ignore[misc]
+            params=_pooling_params(batch.requests),
         )
         states = [self.states[r.request_id] for r in batch.requests]
         outputs, running = self.pooler.forward_chunks(
@@ -295,7 +291,7 @@ class ModelRunner:
         meta = PoolingMetadata(
             seq_lens=[1] * num_rows,
             cu_seqlens=torch.arange(num_rows + 1, dtype=torch.int64, device=hidden.device),
-            params=[r.pooling_params for r in requests],  # type: ignore[misc]
+            params=_pooling_params(requests),
         )
         outputs, _ = self.pooler.forward_chunks(
             hidden,
@@ -321,16 +317,16 @@ class ModelRunner:
             generator = self.states[request.request_id].generator
             if generator is not None:
                 generators[row] = generator
-        params = [r.sampling_params for r in requests]
         meta = SamplingMetadata.build(
-            params,  # type: ignore[arg-type]
+            filled([r.sampling_params for r in requests]),
             [r.output_token_ids for r in requests],
             [r.prompt_token_ids for r in requests],
             [_stop_token_ids(r) for r in requests],
             generators,
             logits.shape[1],
         )
-        out = self.sampler(logits, meta)  # type: ignore[misc]
+        assert self.sampler is not None  # _sample runs on generating models only
+        out = self.sampler(logits, meta)
         return {
             r.request_id: SampledToken(token, logprobs)
             for r, token, logprobs in zip(requests, out.token_ids, out.logprobs, strict=True)
@@ -365,3 +361,8 @@ def _stop_token_ids(request) -> list[int]:
     params = request.sampling_params
     ids = [] if params.ignore_eos else list(request.eos_token_ids)
     return ids + list(params.stop_token_ids)
+
+
+def _pooling_params(requests: Sequence[Request]) -> list[PoolingParams]:
+    """The params of a pooling step's requests (the scheduler gives a pooling model no other)."""
+    return filled([r.pooling_params for r in requests])

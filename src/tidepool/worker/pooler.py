@@ -267,14 +267,14 @@ class Pooler(nn.Module):
             ):
                 outputs[i] = out
         if len(seq_rows) == meta.num_seqs:
-            return outputs  # type: ignore[return-value]
+            return outputs
         cu = meta.cu_seqlens.tolist()
         for i, p in enumerate(meta.params):
             token_pooler = self._token_pooler(p)
             if token_pooler is not None:
                 ids = None if meta.input_ids is None else meta.input_ids[cu[i] : cu[i + 1]]
                 outputs[i] = token_pooler(self, hidden[cu[i] : cu[i + 1]], ids, p)
-        return outputs  # type: ignore[return-value]
+        return outputs
 
     def _token_pooler(self, params: PoolingParams) -> TokenPooler | None:
         return self._token_poolers.get(params.task) if params.task else None
@@ -340,6 +340,7 @@ class Pooler(nn.Module):
         self, pooled: torch.Tensor, params: list[PoolingParams]
     ) -> list[torch.Tensor]:
         """pooled [n, hidden] → the head's output per sequence (on the CPU, float32)."""
+        head: Callable[[torch.Tensor, PoolingParams], torch.Tensor]
         if self.task == "classify":
             head = self.finish_logits
             values = self.model.compute_logits(pooled).float()  # type: ignore[union-attr]
@@ -359,4 +360,4 @@ class Pooler(nn.Module):
                 if params[row].task == "score" and out.numel() == 1:
                     out = out[0]
                 outputs[row] = out
-        return outputs  # type: ignore[return-value]
+        return outputs

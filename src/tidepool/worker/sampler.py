@@ -232,6 +232,7 @@ def _gather_logprobs(
         entries = [(token_ids[row], chosen_list[j], ranks_list[j])]
         k = meta.num_logprobs[row] or 0
         if k:
+            assert top_ids is not None and top_values is not None  # max_k >= k > 0
             ids, values = top_ids[j, :k].tolist(), top_values[j, :k].tolist()
             entries += [(t, v, r + 1) for r, (t, v) in enumerate(zip(ids, values, strict=True))]
         out[row] = entries

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -36,10 +37,16 @@ from tidepool.entrypoints.openai.errors import (
     exception_response,
 )
 
-try:
-    import orjson
-except ImportError:  # every request then goes through FastAPI
-    orjson = None  # type: ignore[assignment]
+
+def _orjson() -> ModuleType | None:
+    try:
+        import orjson
+    except ImportError:  # every request then goes through FastAPI
+        return None
+    return orjson
+
+
+orjson = _orjson()
 
 FAST_ROUTE = "tidepool_fast_route"
 """The attribute of a route's endpoint that holds its FastRoute."""

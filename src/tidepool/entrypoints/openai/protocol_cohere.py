@@ -65,7 +65,3 @@ class CohereEmbedResponse(CohereBaseModel):
     texts: list[str]
     meta: CohereMeta
     response_type: Literal["embeddings_by_type"] = "embeddings_by_type"
-
-
-class CohereError(CohereBaseModel):
-    message: str

@@ -83,11 +83,6 @@ class TeiToken(TeiBaseModel):
     stop: int | None
 
 
-class TeiError(TeiBaseModel):
-    error: str
-    error_type: Literal["Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty"]
-
-
 # /embed_sparse: TEI's shape, checked as strictly as the OpenAI routes (OpenAIBaseModel).
 
 

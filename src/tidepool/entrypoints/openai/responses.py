@@ -4,21 +4,29 @@ response in one call from their buffers."""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from pydantic import BaseModel
 
-try:
-    import orjson
-except ImportError:  # the server then writes responses with pydantic alone
-    orjson = None  # type: ignore[assignment]
-
 from tidepool.entrypoints.openai import protocol as p
 from tidepool.entrypoints.openai.encodings import encode_values
-from tidepool.entrypoints.openai.serving_sparse import sparse_pooling_data
+from tidepool.entrypoints.openai.token_outputs import sparse_pooling_data
 from tidepool.outputs import PoolingRequestOutput
+
+
+def _orjson() -> ModuleType | None:
+    try:
+        import orjson
+    except ImportError:  # the server then writes responses with pydantic alone
+        return None
+    return orjson
+
+
+orjson = _orjson()
+
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

@@ -45,9 +45,6 @@ from tidepool.entrypoints.openai.responses import (
     response_of,
     vectors_of,
 )
-from tidepool.entrypoints.openai.serving_sparse import (
-    token_classification_data,
-)
 from tidepool.entrypoints.openai.serving_vllm import (
     bytes_response,
     check_vllm_fields,
@@ -56,8 +53,10 @@ from tidepool.entrypoints.openai.serving_vllm import (
     response_id,
     use_activation_of,
 )
+from tidepool.entrypoints.openai.token_outputs import token_classification_data
 from tidepool.outputs import BatchInputError, PoolingRequestOutput
 from tidepool.params import PoolingParams, check_pooling_task
+from tidepool.utils.lists import filled
 
 T = TypeVar("T")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -118,7 +117,12 @@ class OpenAIServing:
         kinds = {"classify": "a cross-encoder / classifier", "generate": "a generating model"}
         return kinds.get(self.model_config.task, "an embedding model")
 
-    def _check_task(self, task: str, api: str) -> None:
+    # The public surface the other routes' services (serving_cohere.py, serving_tei.py,
+    # serving_sparse.py) build on: check_task, pooling_params, run_batch, encode_input,
+    # score_pairs (with model_name, check_count and ranges_for).
+
+    def check_task(self, task: str, api: str) -> None:
+        """400 naming `api` when the model does not serve `task`."""
         if task not in self.engine.supported_tasks:
             supported = ", ".join(self.engine.supported_tasks) or "none"
             raise ApiError(
@@ -131,7 +135,8 @@ class OpenAIServing:
         """The pooling task of a request that names none: the model's own."""
         return self.model_config.default_pooling_task
 
-    def _params(self, param: str = "input", **fields: Any) -> PoolingParams:
+    def pooling_params(self, param: str = "input", **fields: Any) -> PoolingParams:
+        """PoolingParams(**fields); 400 naming the faulty field (`param` when none is named)."""
         try:
             check_prompt_name(self.model_config, fields.get("prompt_name"))
         except ValueError as e:
@@ -141,21 +146,22 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e), _field_of(str(e), param)) from e
 
-    async def _run(self, work: Awaitable[T], param: str) -> T:
+    async def run_batch(self, work: Awaitable[T], param: str) -> T:
+        """The engine's answer to `work`; a BatchInputError becomes a 400 naming the input."""
         try:
             return await work
         except BatchInputError as e:
             raise ApiError(400, format_batch_error(e, param), param) from e
 
-    async def _encode_input(
+    async def encode_input(
         self, value: Any, param: str = "input", **param_fields: Any
     ) -> list[PoolingRequestOutput]:
         """Every prompt of a request's `input` through the engine with the same PoolingParams
         (checked in this order: the prompts, their count, the parameters; 400 / 413 on a fault)."""
         prompts = parse_prompts(value, param)
         self.check_count(len(prompts), param)
-        params = self._params(param, **param_fields)
-        return await self._run(self.engine.encode(prompts, [params] * len(prompts)), param)
+        params = self.pooling_params(param, **param_fields)
+        return await self.run_batch(self.engine.encode(prompts, [params] * len(prompts)), param)
 
     # ------------------------------------------------------------------ embeddings / pooling
 
@@ -167,11 +173,11 @@ class OpenAIServing:
 
     async def embed(self, req: p.EmbeddingRequest) -> p.EmbeddingResponse | Response:
         model = self.model_name(req.model)
-        self._check_task("embed", "Embeddings")
+        self.check_task("embed", "Embeddings")
         check_vllm_fields(req)
         ranges = await self.ranges_for(req.embed_dtype, "embed_dtype")
         value, param = await prompts_value(self, req)
-        outputs = await self._encode_input(
+        outputs = await self.encode_input(
             value,
             param,
             task="embed",
@@ -205,11 +211,11 @@ class OpenAIServing:
             check_pooling_task(task)
         except ValueError as e:
             raise ApiError(400, str(e), "task") from e
-        self._check_task(task, f"Pooling (task={task})")
+        self.check_task(task, f"Pooling (task={task})")
         check_vllm_fields(req)
         ranges = await self.ranges_for(req.embed_dtype, "embed_dtype")
         value, param = await prompts_value(self, req)
-        outputs = await self._encode_input(
+        outputs = await self.encode_input(
             value,
             param,
             task=task,
@@ -243,10 +249,10 @@ class OpenAIServing:
         # A token classifier answers per token (the task it serves).
         per_token = "classify" not in self.engine.supported_tasks
         task = "token_classify" if per_token else "classify"
-        self._check_task(task, "Classification")
+        self.check_task(task, "Classification")
         check_vllm_fields(req)
         value, param = await prompts_value(self, req)
-        outputs = await self._encode_input(
+        outputs = await self.encode_input(
             value,
             param,
             task=task,
@@ -285,7 +291,7 @@ class OpenAIServing:
             raise ApiError(400, str(e), names[0]) from e
         self.check_count(len(second), names[1])
         check_vllm_fields(req)
-        scores, num_tokens = await self._score_pairs(
+        scores, num_tokens = await self.score_pairs(
             pairs,
             req.truncate_prompt_tokens,
             use_activation_of(req, "activation"),
@@ -310,7 +316,7 @@ class OpenAIServing:
         if req.max_tokens_per_doc is not None:
             scored = await cut_documents(self, documents, req.max_tokens_per_doc)
         pairs = [(req.query, doc) for doc in scored]
-        scores, num_tokens = await self._score_pairs(
+        scores, num_tokens = await self.score_pairs(
             pairs,
             req.truncate_prompt_tokens,
             use_activation_of(req, "activation"),
@@ -338,7 +344,7 @@ class OpenAIServing:
     # Scoring rules (pairs, cross-encoder scores, cosine of each distinct text once) are the
     # engine's (engine/pooling.py), shared with the offline LLM; here only the HTTP errors.
 
-    async def _score_pairs(
+    async def score_pairs(
         self,
         pairs: list[tuple[str, str]],
         truncate_prompt_tokens: int | None,
@@ -353,14 +359,16 @@ class OpenAIServing:
         if rule == "late_interaction":
             return await self._score_by_late_interaction(pairs, truncate_prompt_tokens, param)
         if "score" in self.engine.supported_tasks:
-            params = self._params(
+            params = self.pooling_params(
                 param,
                 task="score",
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 use_activation=activation,
                 truncation_side=truncation_side,
             )
-            outputs = await self._run(self.engine.encode_pairs(pairs, [params] * len(pairs)), param)
+            outputs = await self.run_batch(
+                self.engine.encode_pairs(pairs, [params] * len(pairs)), param
+            )
             scores = [cross_encoder_score(o.outputs.data) for o in outputs]
             return scores, sum(len(o.prompt_token_ids) for o in outputs)
         if "embed" not in self.engine.supported_tasks:
@@ -381,7 +389,7 @@ class OpenAIServing:
         truncation_side: str,
     ) -> tuple[list[float], int]:
         plan = plan_embedding_scores(pairs)
-        params = self._params(
+        params = self.pooling_params(
             param,
             task="embed",
             truncate_prompt_tokens=truncate_prompt_tokens,
@@ -393,7 +401,7 @@ class OpenAIServing:
             first = e.errors[0]
             raise ApiError(400, f"{plan.texts[first.index]!r:.60}: {first.message}", param) from e
         scores = cosine_scores([o.outputs.data for o in outputs], plan.pair_slots)
-        return scores, sum(len(o.prompt_token_ids) for o in outputs)  # type: ignore[return-value]
+        return filled(scores), sum(len(o.prompt_token_ids) for o in outputs)
 
     async def _score_by_late_interaction(
         self, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None, param: str
@@ -404,7 +412,7 @@ class OpenAIServing:
             (plan.queries, "query", "text_1" if param == "text_2" else "query"),
             (plan.documents, "document", param),
         ):
-            params = self._params(
+            params = self.pooling_params(
                 param,
                 task="token_embed",
                 truncate_prompt_tokens=truncate_prompt_tokens,
@@ -421,7 +429,7 @@ class OpenAIServing:
             [o.outputs.data for o in queries], [o.outputs.data for o in documents], plan.pair_slots
         )
         num_tokens = sum(len(o.prompt_token_ids) for o in queries + documents)
-        return scores, num_tokens  # type: ignore[return-value]
+        return filled(scores), num_tokens
 
     # ------------------------------------------------------------------ models
 

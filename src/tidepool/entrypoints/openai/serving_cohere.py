@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from tidepool.engine.prompts import prompt_name_for_input_type
 from tidepool.entrypoints.openai import protocol_cohere as pc
 from tidepool.entrypoints.openai.encodings import encode_values, needs_ranges
 from tidepool.entrypoints.openai.errors import ApiError
@@ -20,22 +21,14 @@ from tidepool.quantize import ENCODINGS
 # Cohere's `truncate` → (cut a long text to the budget, PoolingParams.truncation_side).
 _TRUNCATION = {"END": (True, "right"), "START": (True, "left"), "NONE": (False, "right")}
 
-# Cohere's input_type → sentence-transformers prompt names that mean it, first match used.
-_PROMPT_NAMES = {
-    "search_query": ("search_query", "query"),
-    "search_document": ("search_document", "document", "passage"),
-    "classification": ("classification",),
-    "clustering": ("clustering",),
-}
 
-
-def model_prompt(serving: OpenAIServing, names: tuple[str, ...]) -> str:
-    """The first of the model's sentence-transformers prompts named in `names` ("" for none). A
-    model with a default prompt keeps it (the input processor adds it to every text)."""
-    st = serving.model_config.st
-    if st.default_prompt_name:
-        return ""
-    return next((st.prompts[name] for name in names if name in st.prompts), "")
+def input_type_prompt(serving: OpenAIServing, input_type: str | None) -> str | None:
+    """The model's prompt name for Cohere's `input_type` (engine/prompts.py's one rule, as the
+    offline API); None runs the texts with the model's default prompt, if any. 400 for "image":
+    this server embeds texts only."""
+    if input_type == "image":
+        raise ApiError(400, "input_type image is not supported: this server embeds texts only")
+    return prompt_name_for_input_type(serving.model_config, input_type)
 
 
 _PUBLIC_NAMES = (("truncate_prompt_tokens", "max_tokens"), ("dimensions", "output_dimension"))
@@ -78,7 +71,7 @@ class CohereServing:
         for name in ("images", "inputs"):
             if getattr(req, name) is not None:
                 raise ApiError(400, f"{name} is not supported: this server embeds texts only")
-        serving._check_task("embed", "Embed")
+        serving.check_task("embed", "Embed")
         texts = parse_texts(req.texts, "texts", allow_single=False)
         serving.check_count(len(texts), "texts")
         types = list(dict.fromkeys(req.embedding_types or ["float"]))
@@ -86,18 +79,18 @@ class CohereServing:
         if any(t in ENCODINGS and needs_ranges(t) for t in types):
             ranges = await serving.ranges_for("int8", "embedding_types")
         truncate_prompt_tokens, side = self._truncation(req)
-        prompt = model_prompt(serving, _PROMPT_NAMES.get(req.input_type or "", ()))
-        prompts = [prompt + text for text in texts]
+        prompt_name = input_type_prompt(serving, req.input_type)
         with cohere_names():
-            params = serving._params(
+            params = serving.pooling_params(
                 "texts",
                 task="embed",
                 dimensions=req.output_dimension,
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 truncation_side=side,
+                prompt_name=prompt_name,
             )
-            work = serving.engine.encode(prompts, [params] * len(texts))
-            outputs = await serving._run(work, "texts")
+            work = serving.engine.encode(texts, [params] * len(texts))
+            outputs = await serving.run_batch(work, "texts")
         vectors = [o.outputs.data for o in outputs]
         embeddings = {t: [_encode(v, t, ranges) for v in vectors] for t in types}
         num_tokens = sum(len(o.prompt_token_ids) for o in outputs)

@@ -1,60 +1,17 @@
-"""Outputs beyond one vector per input: TEI's /embed_sparse, sparse and per-token data on
-/pooling, and per-token labels on /classify (token classification models).
+"""TEI's /embed_sparse over the shared checks of `OpenAIServing`:
 
     /embed_sparse  {"inputs": "text" | [...], "truncate": false, "prompt_name": null}
                    → [[{"index": token id, "value": weight}, ...], ...]   (TEI's shape)
-    /pooling       task "embed_sparse" → data [{"index", "value"}, ...] per input;
-                   task "token_classify" → data [num_tokens][num_labels] per input (vLLM's)
-    /classify      on a token classifier: per input, probs [num_tokens][num_labels] and one
-                   label per token
+
+The sparse and per-token response data every route shares are token_outputs.py's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import torch
-
-from tidepool.entrypoints.openai import protocol as p
 from tidepool.entrypoints.openai import protocol_tei as pt
 from tidepool.entrypoints.openai.errors import ApiError
-from tidepool.outputs import PoolingRequestOutput, sparse_pairs
-
-if TYPE_CHECKING:
-    # serving.py imports this module's helpers; the class below only receives an instance.
-    from tidepool.entrypoints.openai.serving import OpenAIServing
-
-
-def sparse_values(data: torch.Tensor) -> list[pt.SparseValue]:
-    """A sparse [vocab] output → TEI's [{"index": id, "value": weight}, ...] (ids ascending)."""
-    ids, values = sparse_pairs(data)
-    return [pt.SparseValue(index=i, value=v) for i, v in zip(ids, values, strict=True)]
-
-
-def sparse_pooling_data(data: torch.Tensor, encoding_format: str) -> list[dict]:
-    """A /pooling `data` item of a sparse output: TEI's index / value pairs."""
-    if encoding_format == "base64":
-        raise ApiError(
-            400, "encoding_format base64 is not available for sparse outputs", "encoding_format"
-        )
-    return [v.model_dump() for v in sparse_values(data)]
-
-
-def token_classification_data(
-    outputs: list[PoolingRequestOutput], id2label: dict
-) -> list[p.ClassificationData]:
-    """/classify on a token classifier: per input, each token's probabilities and label."""
-    data = []
-    for i, o in enumerate(outputs):
-        probs = o.outputs.data
-        best = probs.argmax(dim=-1).tolist()
-        labels = [id2label.get(b, id2label.get(str(b), f"LABEL_{b}")) for b in best]
-        data.append(
-            p.ClassificationData(
-                index=i, label=labels, probs=probs.tolist(), num_classes=probs.shape[-1]
-            )
-        )
-    return data
+from tidepool.entrypoints.openai.serving import OpenAIServing
+from tidepool.entrypoints.openai.token_outputs import sparse_values
 
 
 class OpenAIServingSparse:
@@ -66,12 +23,12 @@ class OpenAIServingSparse:
     async def embed_sparse(self, req: pt.EmbedSparseRequest) -> pt.EmbedSparseResponse:
         serving = self.serving
         serving.model_name(req.model)
-        serving._check_task("embed_sparse", "Sparse embeddings (/embed_sparse)")
+        serving.check_task("embed_sparse", "Sparse embeddings (/embed_sparse)")
         if req.truncation_direction.lower() != "right":
             raise ApiError(
                 400, "truncation_direction Left is not supported", "truncation_direction"
             )
-        outputs = await serving._encode_input(
+        outputs = await serving.encode_input(
             req.inputs,
             task="embed_sparse",
             truncate_prompt_tokens=-1 if req.truncate else None,

@@ -87,13 +87,13 @@ class TeiServing:
         self.serving.check_count(len(prompts), "inputs")
         prompt = self._prompt(prompt_name)
         prompts = [prompt + x if isinstance(x, str) else x for x in prompts]
-        params = self.serving._params("inputs", **fields)
-        return await self.serving._run(
+        params = self.serving.pooling_params("inputs", **fields)
+        return await self.serving.run_batch(
             self.engine.encode(prompts, [params] * len(prompts)), "inputs"
         )
 
     async def embed(self, req: pt.TeiEmbedRequest) -> list[list[float]]:
-        self.serving._check_task("embed", "/embed")
+        self.serving.check_task("embed", "/embed")
         outputs = await self._encode(
             req.inputs,
             req.prompt_name,
@@ -105,7 +105,7 @@ class TeiServing:
         return [o.outputs.data.tolist() for o in outputs]
 
     async def embed_all(self, req: pt.TeiEmbedAllRequest) -> list[list[list[float]]]:
-        self.serving._check_task("token_embed", "/embed_all")
+        self.serving.check_task("token_embed", "/embed_all")
         outputs = await self._encode(
             req.inputs, req.prompt_name, task="token_embed", **_truncation(req)
         )
@@ -120,7 +120,7 @@ class TeiServing:
         if req.top_n is not None and req.top_n < 0:
             raise ApiError(400, f"top_n must be >= 0 (0 = all), got {req.top_n}")
         truncation = _truncation(req)
-        scores, _ = await self.serving._score_pairs(
+        scores, _ = await self.serving.score_pairs(
             [(req.query, text) for text in texts],
             truncation["truncate_prompt_tokens"],
             not req.raw_scores,
@@ -136,10 +136,10 @@ class TeiServing:
         return [r.model_dump(exclude_none=True) for r in ranks]
 
     async def predict(self, req: pt.TeiPredictRequest) -> list[Any]:
-        self.serving._check_task("classify", "/predict")
+        self.serving.check_task("classify", "/predict")
         items, batch = parse_predict_inputs(req.inputs)
         self.serving.check_count(len(items), "inputs")
-        params = self.serving._params(
+        params = self.serving.pooling_params(
             "inputs", task="classify", activation=not req.raw_scores, **_truncation(req)
         )
         texts = {i: item for i, item in enumerate(items) if isinstance(item, str)}
@@ -147,10 +147,10 @@ class TeiServing:
         outputs: dict[int, PoolingRequestOutput] = {}
         if texts:
             work = self.engine.encode(list(texts.values()), [params] * len(texts))
-            outputs.update(zip(texts, await self.serving._run(work, "inputs"), strict=True))
+            outputs.update(zip(texts, await self.serving.run_batch(work, "inputs"), strict=True))
         if pairs:
             work = self.engine.encode_pairs(list(pairs.values()), [params] * len(pairs))
-            outputs.update(zip(pairs, await self.serving._run(work, "inputs"), strict=True))
+            outputs.update(zip(pairs, await self.serving.run_batch(work, "inputs"), strict=True))
         predictions = [self._labels(outputs[i]) for i in range(len(items))]
         return predictions if batch else predictions[0]
 

@@ -55,7 +55,7 @@ def use_activation_of(req: Any, *aliases: str) -> bool | None:
     return value
 
 
-def response_id(prefix: str, req: Any) -> dict[str, str]:
+def response_id(prefix: str, req: Any) -> dict[str, Any]:
     """The response's `id` keyword: the request's request_id when it gave one."""
     rid = getattr(req, "request_id", None)
     return {"id": f"{prefix}-{rid}"} if rid else {}

@@ -1,16 +1,54 @@
 """Calling the engine on a batch of rows: every bad row becomes an error, never an exception.
 
 Both batch runners (`tidepool.jobs.local`, `tidepool.jobs.ray_runner`) and `tidepool.ray`'s
-Predictor call `pool_rows`; it takes any object with `LLM`'s `encode` / `score` methods.
+Predictor call `pool_rows`; it takes any `OfflineLLM` (`tidepool.LLM` is one), the narrow
+interface through which ray/ and jobs/ reach the offline API without importing entrypoints/.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tidepool.config import ModelConfig
+    from tidepool.outputs import (
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        ScoringRequestOutput,
+    )
+
+
+class OfflineLLM(Protocol):
+    """What the batch jobs and Ray's Predictor use of the offline `tidepool.LLM`."""
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+    def encode(
+        self,
+        prompts: Any,
+        pooling_params: Any = None,
+        *,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]: ...
+
+    def embed(self, prompts: Any, *, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]: ...
+
+    def score(
+        self,
+        data_1: Any,
+        data_2: Any,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: Any = None,
+    ) -> list[ScoringRequestOutput]: ...
 
 
 @dataclass(frozen=True)
@@ -24,7 +62,7 @@ class PooledRows:
 
 
 def pool_rows(
-    llm: Any,
+    llm: OfflineLLM,
     task: str,
     texts: list[Any],
     pairs: list[Any] | None = None,
@@ -51,7 +89,7 @@ def pool_rows(
 
 
 def _call_engine(
-    llm: Any,
+    llm: OfflineLLM,
     task: str,
     texts: list[Any],
     pairs: list[Any] | None,
@@ -83,7 +121,7 @@ def _stack(task: str, outputs: Sequence[Any], num_rows: int) -> np.ndarray:
         )
     vectors = [None if out is None else out.outputs.data.float().numpy() for out in outputs]
     width = next((len(v) for v in vectors if v is not None), 0)
-    stacked = np.zeros((num_rows, width), dtype=np.float32)
+    stacked: np.ndarray = np.zeros((num_rows, width), dtype=np.float32)
     for i, vector in enumerate(vectors):
         if vector is not None:
             stacked[i] = vector

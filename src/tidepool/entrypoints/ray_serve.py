@@ -1,12 +1,12 @@
 """Ray Serve: N replicas of the OpenAI-compatible server, each with an engine of its own.
 
-    serve run tidepool.ray.serve:app_builder model=sentence-transformers/all-MiniLM-L6-v2 \\
+    serve run tidepool.entrypoints.ray_serve:app_builder model=sentence-transformers/all-MiniLM-L6-v2 \\
         num_replicas=4 num_cpus=2 max_model_len=256
 
 or from Python:
 
     from ray import serve
-    from tidepool.ray.serve import build_serve_app
+    from tidepool.entrypoints.ray_serve import build_serve_app
 
     serve.run(build_serve_app("BAAI/bge-small-en-v1.5", num_replicas=4), route_prefix="/")
 
@@ -122,7 +122,7 @@ _TEXT_ARGS = ("model", "api_key", "served_model_name", "dtype", "device", "runne
 
 
 def app_builder(args: dict[str, str]) -> Application:
-    """For `serve run tidepool.ray.serve:app_builder key=value ...` and Serve config files.
+    """For `serve run tidepool.entrypoints.ray_serve:app_builder key=value ...` and Serve config files.
 
     Keys: model, num_replicas, num_cpus, max_ongoing_requests; the server's api_key,
     served_model_name (comma-separated), max_request_body_bytes, max_inputs_per_request,
