@@ -116,8 +116,14 @@ def _kernel_build():
                 flags = getattr(self.compiler, attr, None)
                 if flags:
                     setattr(self.compiler, attr, [f for f in flags if f not in drop])
-            # An editable install copies each module into the source tree, here.
-            (HERE / "src" / "tidepool" / "kernels" / "_prebuilt").mkdir(exist_ok=True)
+            # An editable install copies each module into the source tree, here; the modules
+            # of earlier sources (names no build has now) go.
+            prebuilt = HERE / "src" / "tidepool" / "kernels" / "_prebuilt"
+            prebuilt.mkdir(exist_ok=True)
+            current = {build.name for build in specs.all_builds()}
+            for stale in prebuilt.glob("*.so"):
+                if stale.name.split(".")[0] not in current:
+                    stale.unlink()
             super().build_extensions()
 
         def build_extension(self, ext) -> None:
