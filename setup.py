@@ -1,7 +1,7 @@
 """Builds tidepool's C++ kernels when the package is installed (pyproject.toml holds the rest).
 
-One module per kernel per ISA build (src/tidepool/kernels/specs.py: AVX-512 and AVX2 + FMA, the
-paged decode's AVX2 build, the AMX int8 GEMM), with torch's BuildExtension against the torch
+One module per kernel per ISA build (src/tidepool/kernels/specs.py: AVX-512 and AVX2 + FMA of
+the encoder attention, decoder ops, int8 ops and paged decode; the AMX int8 GEMM), with torch's BuildExtension against the torch
 installed in the target environment, into tidepool/kernels/_prebuilt/ (also for editable
 installs: the loader looks there, kernels/build.py). The modules build in parallel, one per core.
 Without torch (or a C++ compiler) at install time the package installs without them and each

@@ -8,6 +8,12 @@ request) are reported: milliseconds per step, median over the run, per piece and
 
     python benchmarks/decode_profile.py [--hidden-size 1024 --layers 8 --heads 16 --kv-heads 8
         --intermediate 3072] [--requests 64] [--new-tokens 64] [--sampling greedy|top-k|top-p]
+
+--prefill-profile: the prompts' prefill alone (1 new token) under torch's profiler, the ops
+with the most self CPU time printed; --workload gemma2 runs generate_vs_vllm.py's Gemma-2
+folder and prompt lengths (32 prompts of 500-1,000 tokens) instead of the Llama shape:
+
+    python benchmarks/decode_profile.py --workload gemma2 --prefill-profile [--requests 8]
 """
 
 from __future__ import annotations
@@ -113,6 +119,24 @@ def report(timers: Timers) -> None:
         print(f"  {name:<26} {value * 1e3:8.2f} ms  {100 * value / total:5.1f}%")
 
 
+def prefill_profile(llm, prompts, rows: int) -> None:
+    """One prefill pass (1 new token) over `prompts` under torch.profiler: the top ops by self
+    CPU time, and the wall time of the pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tidepool import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    plain = time.perf_counter() - start
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    print(f"prefill of {len(prompts)} prompts ({tokens} tokens): {plain:.2f} s unprofiled")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden-size", type=int, default=1024)
@@ -126,19 +150,29 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--sampling", default="greedy", choices=["greedy", "top-k", "top-p"])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--workload", default="llama", choices=["llama", "gemma2"])
+    parser.add_argument("--prefill-profile", action="store_true")
+    parser.add_argument("--rows", type=int, default=25, help="ops printed by --prefill-profile")
     args = parser.parse_args()
+    if args.workload == "gemma2":  # generate_vs_vllm.py's Gemma-2 prompts
+        args.min_prompt, args.max_prompt = max(args.min_prompt, 500), max(args.max_prompt, 1000)
     if args.threads:
         torch.set_num_threads(args.threads)
     from tidepool import LLM, SamplingParams
 
-    path = build_random_decoder(
-        "LlamaForCausalLM",
-        args.hidden_size,
-        args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        intermediate_size=args.intermediate,
-    )
+    if args.workload == "gemma2":
+        from generate_vs_vllm import build_model
+
+        path = build_model("gemma2", args.layers)
+    else:
+        path = build_random_decoder(
+            "LlamaForCausalLM",
+            args.hidden_size,
+            args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate,
+        )
     rng = random.Random(0)
     prompts = [
         {"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n)]}
@@ -148,8 +182,17 @@ def main() -> None:
     params = SamplingParams(
         max_tokens=args.new_tokens, ignore_eos=True, seed=None, **sampling[args.sampling]
     )
-    llm = LLM(str(path), dtype="float32", enable_prefix_caching=False)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        enable_prefix_caching=False,
+        max_model_len=args.max_prompt + args.new_tokens + 16,
+        max_num_batched_tokens=8192,  # generate_worker.py's, both engines'
+    )
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    if args.prefill_profile:
+        prefill_profile(llm, prompts, args.rows)
+        return
     timers = Timers()
     instrument(llm, timers)
     start = time.perf_counter()

@@ -146,7 +146,7 @@ def fmt(result: dict) -> str:
     return (
         f"{result['tokens'] / result['seconds']:7.1f} tok/s ({result['seconds']:.1f} s) TTFT p50 "
         f"{result['ttft_p50']:.2f} s | ITL p50 {result['itl_p50'] * 1e3:.0f} ms p99 "
-        f"{result['itl_p99'] * 1e3:.0f} ms"
+        f"{result['itl_p99'] * 1e3:.0f} ms | CPU {result.get('cpu_seconds', float('nan')):.0f} s"
     )
 
 
@@ -233,12 +233,24 @@ def compare(ours: list[dict], theirs: list[dict], peer: str, num_prompts: int) -
         for t, v in zip(ours, theirs, strict=True)
     ]
     itl = [t["itl_p50"] / v["itl_p50"] for t, v in zip(ours, theirs, strict=True)]
+    cpu = [
+        (t["tokens"] / t["cpu_seconds"]) / (v["tokens"] / v["cpu_seconds"])
+        for t, v in zip(ours, theirs, strict=True)
+        if t.get("cpu_seconds") and v.get("cpu_seconds")
+    ]
     same = sum(a == b for a, b in zip(ours[-1]["outputs"], theirs[-1]["outputs"], strict=True))
     print(
         f"tidepool / {peer} tokens/s: {statistics.median(ratios):.2f}x (rounds "
         f"{' '.join(f'{x:.2f}' for x in ratios)}); ITL p50 ratio (tidepool / {peer}) "
         f"{statistics.median(itl):.2f}; greedy outputs equal {same}/{num_prompts}"
     )
+    if cpu:
+        print(
+            f"tidepool / {peer} tokens per CPU second: {statistics.median(cpu):.2f}x (rounds "
+            f"{' '.join(f'{x:.2f}' for x in cpu)}; CPU s "
+            f"{' '.join(str(round(t['cpu_seconds'])) for t in ours)} vs "
+            f"{' '.join(str(round(v['cpu_seconds'])) for v in theirs)})"
+        )
 
 
 if __name__ == "__main__":

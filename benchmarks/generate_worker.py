@@ -9,8 +9,9 @@ imports only the standard library at module level, then the engine's library onc
 
 prompts.json: a list of token-id lists. Greedy, EOS ignored, prefix caching off, float32. Each
 {"cmd": "run"} line generates for every prompt and answers one JSON line: wall seconds, the
-output tokens, time to first token and inter-token latencies (p50 / p99), and the outputs'
-token ids; {"cmd": "quit"} ends. Token times are taken where the engine core hands a step's new
+output tokens, CPU seconds (the process and its children: on a shared machine the engines'
+shares of the cores differ), time to first token and inter-token latencies (p50 / p99), and the
+outputs' token ids; {"cmd": "quit"} ends. Token times are taken where the engine core hands a step's new
 tokens to output processing (tidepool: the scheduler's update; vLLM: its output processor's
 process_outputs), the same point in both engines' step, before detokenization.
 """
@@ -30,6 +31,23 @@ def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
     return ordered[index]
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its live descendants (vLLM's engine core
+    is a child process), from /proc; 0 where /proc cannot be read."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(_tree_cpu_seconds(int(c)) for c in f.read().split())
+    except (OSError, ValueError, IndexError):
+        pass
+    return total
 
 
 class TokenClock:
@@ -53,6 +71,14 @@ class TokenClock:
         }
 
 
+def kv_bytes(args) -> dict:
+    """The KV-cache budget in bytes where --kv-cache-memory-bytes gives one (both engines take
+    `kv_cache_memory_bytes`; vLLM's CPU worker uses it instead of VLLM_CPU_KVCACHE_SPACE)."""
+    return (
+        {"kv_cache_memory_bytes": args.kv_cache_memory_bytes} if args.kv_cache_memory_bytes else {}
+    )
+
+
 class Tidepool:
     def __init__(self, args) -> None:
         import tidepool  # noqa: F401  (OpenMP defaults before torch)
@@ -65,6 +91,7 @@ class Tidepool:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            **kv_bytes(args),
         )
         self.params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
         self.clock = TokenClock()
@@ -112,6 +139,7 @@ class VLLM:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=0,
+            **kv_bytes(args),
         )
         self.params = vllm.SamplingParams(
             temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True
@@ -155,6 +183,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     args = parser.parse_args()
     with open(args.prompts) as f:
         prompts = json.load(f)
@@ -169,11 +198,13 @@ def main() -> None:
         if cmd["cmd"] == "quit":
             break
         engine.clock.times.clear()
+        cpu_start = _tree_cpu_seconds(os.getpid())
         start = time.perf_counter()
         outputs = engine.generate(prompts)
         seconds = time.perf_counter() - start
         result = {
             "seconds": seconds,
+            "cpu_seconds": _tree_cpu_seconds(os.getpid()) - cpu_start,
             "tokens": sum(len(o) for o in outputs),
             **engine.clock.summary(start),
             "outputs": outputs,

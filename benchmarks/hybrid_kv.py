@@ -18,6 +18,9 @@ one cannot hold every request at once. Prompts are random token ids, 8x the wind
               neither preempts. More sides: uniform with twice the bytes (if it is not clearly
               faster, memory does not limit this setting) and uniform with each chunk cap of
               --pool-uniform-chunks (0: whole prompts); the fastest uniform is the fair peer
+              With --vllm-python, a third side: vLLM's CPU build (its own process,
+              benchmarks/generate_worker.py) on the same folder, prompts and KV-cache bytes
+              (`kv_cache_memory_bytes`), its own hybrid allocator deciding what it holds
     full      a model of the same shape with full attention only, generate: the hybrid switch
               on vs off (one KV-cache group either way, so the ratio should be 1.0)
 
@@ -302,16 +305,70 @@ def concurrency_rows(a: Side, b: Side, prefix: str = "") -> list[tuple]:
 def section_generate(args, path: Path, prompts: list[dict], engine_args: dict) -> list[tuple]:
     hybrid = make_side("hybrid", path, **engine_args)
     uniform = make_side("uniform", path, disable_hybrid_kv_cache_manager=True, **engine_args)
-    out_h, out_u = alternate([hybrid, uniform], prompts, args.output_len, args.rounds)
+    peer = vllm_side(args, path, prompts, engine_args) if args.vllm_python else None
+    if peer is None:
+        out_h, out_u = alternate([hybrid, uniform], prompts, args.output_len, args.rounds)
+    else:
+        out_h, out_u = alternate_with_vllm(hybrid, uniform, peer, prompts, args)
     num_tokens = len(prompts) * (args.prompt_len + args.output_len)
     print(f"\ngenerate ({args.output_len} tokens each; tok/s counts prompt + output tokens)")
     print(describe(hybrid, num_tokens))
     print(describe(uniform, num_tokens))
     agree = sum(a == b for a, b in zip(out_h, out_u, strict=True))
     print(f"  greedy outputs equal: {agree}/{len(out_h)}", flush=True)
-    return concurrency_rows(hybrid, uniform) + speed_rows(
+    rows = concurrency_rows(hybrid, uniform) + speed_rows(
         "generate", hybrid, uniform, num_tokens, ">= 1.15x"
     )
+    if peer is not None:
+        worker, seconds, out_v = peer
+        rate = num_tokens / statistics.median(seconds)
+        per_round = [v / h for h, v in zip(hybrid.seconds, seconds, strict=True)]
+        same = sum(a == list(b) for a, b in zip(out_v, out_h, strict=True))
+        print(
+            f"  vllm      {rate:7,.0f} tok/s (wall {' '.join(f'{s:.1f}' for s in seconds)} s; "
+            f"{worker.info}) | greedy outputs equal to hybrid's: {same}/{len(out_h)}"
+        )
+        worker.close()
+        rows.append(
+            ("generate, vLLM tok/s (hybrid / vLLM)", "", f"{rate:,.0f}",
+             f"{statistics.median(per_round):.2f}x", "vLLM's own hybrid allocator")
+        )  # fmt: skip
+    return rows
+
+
+def vllm_side(args, path: Path, prompts: list[dict], engine_args: dict):
+    """vLLM's CPU build on the same folder, prompts and KV bytes, in its own process
+    (generate_vs_vllm.py's worker): (worker, wall seconds per round, last outputs)."""
+    import json
+
+    from generate_vs_vllm import Worker, vllm_env
+
+    prompt_file = Path(tempfile.mkdtemp()) / "prompts.json"
+    prompt_file.write_text(json.dumps([p["prompt_token_ids"] for p in prompts]))
+    argv = ["--model", str(path), "--prompts", str(prompt_file), "--new-tokens",
+            str(args.output_len), "--max-model-len", str(engine_args["max_model_len"]),
+            "--kv-cache-memory-bytes", str(engine_args["kv_cache_memory_bytes"])]  # fmt: skip
+    env = vllm_env(args.vllm_python)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes (cpu.py)
+    worker = Worker("vllm", args.vllm_python, argv, env)
+    return worker, [], []
+
+
+def alternate_with_vllm(hybrid: Side, uniform: Side, peer, prompts: list[dict], args):
+    """alternate() with vLLM's worker as a third side, in turn each round."""
+    worker, seconds, out_v = peer
+    for side in (hybrid, uniform):
+        run_once(side, prompts[:4], args.output_len)
+        side.logs.clear()
+        side.seconds.clear()
+        side.cpu_seconds.clear()
+    for _ in range(args.rounds):
+        out_h = run_once(hybrid, prompts, args.output_len)
+        out_u = run_once(uniform, prompts, args.output_len)
+        result = worker.run()
+        seconds.append(result["seconds"])
+        out_v[:] = result["outputs"]
+    return out_h, out_u
 
 
 def section_pool(args, path: Path, prompts: list[dict], engine_args: dict) -> list[tuple]:
@@ -430,6 +487,11 @@ def main() -> None:
         help="pool section: uniform also runs with these chunk caps (0: none); its best is shown",
     )
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="a vLLM venv's python (/work/venv-vllm/bin/python): a vLLM side in `generate`",
+    )
     parser.add_argument("--sections", default="generate,pool,full")
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--threads", type=int, default=None)

@@ -23,7 +23,7 @@ def test_every_kernel_has_one_build_per_isa_with_its_own_name() -> None:
     builds = specs.all_builds()
     names = [b.name for b in builds]
     assert len(set(names)) == len(names)
-    for family in (specs.ENCODER_ATTENTION, specs.DECODER_OPS, specs.INT8_OPS):
+    for family in (specs.ENCODER_ATTENTION, specs.DECODER_OPS, specs.INT8_OPS, specs.PAGED_DECODE):
         assert set(family) == {"avx512", "avx2"}
         assert len({b.namespace for b in family.values()}) == 2
     assert all(b.path.is_file() for b in builds)
@@ -57,7 +57,7 @@ _LOAD_ALL = textwrap.dedent(
         "attention": [cpu_kernels.load_isa(i) is not None for i in isas],
         "decoder": [cpu_decoder_ops.load(i) is not None for i in isas],
         "int8": [int8_ops.load(i) is not None for i in isas],
-        "paged": cpu_paged_decode.load() is not None,
+        "paged": [cpu_paged_decode.load(i) is not None for i in isas],
         "amx": int8_ops.load_amx() is not None if cpu_features.usable("amx") else None,
     }
     print(json.dumps({"loaded": loaded, "how": build.LOADED}))
@@ -93,7 +93,7 @@ def test_installed_kernels_load_without_a_compiler(tmp_path) -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     loaded = result["loaded"]
     assert all(loaded["attention"]) and all(loaded["decoder"]) and all(loaded["int8"])
-    assert loaded["paged"] and loaded["amx"] in (None, True)
+    assert all(loaded["paged"]) and loaded["amx"] in (None, True)
     assert result["how"] and set(result["how"].values()) == {"prebuilt"}
     assert not (tmp_path / "torch_extensions").exists() or not any(
         (tmp_path / "torch_extensions").rglob("*.so")

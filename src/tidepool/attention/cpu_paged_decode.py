@@ -10,10 +10,12 @@ Why: the SDPA path gathers every block a decode reads into a padded copy each la
 cached K / V byte once (docs/performance.md, "Decode").
 
 Loaded by kernels/build.py (the installed build of these sources, else built on first use with
-torch's C++ extension loader, cached under TORCH_EXTENSIONS_DIR) for AVX2 + FMA, so it runs on AVX2-only CPUs (AMD Zen 2/3) as
-well as on AVX-512 ones. Where the CPU lacks them or the build fails, `load()` says why once and
-returns None, and decodes keep the SDPA buckets. TIDEPOOL_CPU_ATTENTION=sdpa turns it off (one
-switch for tidepool's hand-written CPU code), =native makes a failure an error.
+torch's C++ extension loader, cached under TORCH_EXTENSIONS_DIR), one source per ISA (csrc/cpu_simd.h; cpu_kernels.BUILD_ISAS:
+AVX-512, 16 lanes, or AVX2 + FMA, 8 lanes, for AVX2-only CPUs such as AMD Zen 2 / 3); the build
+run is the best the CPU has and TIDEPOOL_CPU_ISA allows (kernels/cpu_features.py; =avx2 runs the
+AVX2 build on an AVX-512 machine). Where the CPU has neither or the build fails, `load()` says
+why once and returns None, and decodes keep the SDPA buckets. TIDEPOOL_CPU_ATTENTION=sdpa turns
+it off (one switch for tidepool's hand-written CPU code), =native makes a failure an error.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tidepool.attention import cpu_kernels
 from tidepool.kernels import cpu_features, specs
 from tidepool.kernels.build import build_or_fall_back, load_build
 
@@ -31,37 +34,52 @@ logger = logging.getLogger("tidepool")
 
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_QUERY_LEN = 16
-"""Rows of at most this many queries take the kernel; longer ones are GEMM-shaped (SDPA)."""
+"""Rows of at most this many queries take the kernel at any head size."""
+LONG_ROW_QUERY_LEN = 512
+"""Heads of a multiple of 64 floats: rows up to this many queries (paged_metadata's tiles of
+MAX_ROW_QUERY_LEN: prompt chunks, long prompts under a sliding window) take the kernel too, in
+its GEMM-shaped path (keys transposed once per task, query tiles of 32 that read only the keys
+they see): no gather, no mask, Gemma 2's soft-cap inside instead of torch's explicit ops."""
+
+
+def max_query_len(head_size: int) -> int:
+    """The longest row (queries) the kernel takes for heads of `head_size` floats."""
+    return LONG_ROW_QUERY_LEN if head_size % 64 == 0 else MAX_QUERY_LEN
+
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {}
+_state: dict[str | None, Any] = {}
+_chosen: dict[str | None, Any] = {}
+"""TIDEPOOL_CPU_ISA's cap → the op it chooses (load() runs per layer and step: one lookup)."""
 
 
 def _compile(isa: str) -> Any:
-    load_build(specs.PAGED_DECODE)
-    return torch.ops.tidepool_paged.paged_decode
+    build = specs.PAGED_DECODE[isa]
+    load_build(build)
+    return getattr(torch.ops, build.namespace).paged_decode
 
 
-def _build() -> Any | None:
-    """The kernel where the CPU has AVX2 + FMA (and TIDEPOOL_CPU_ISA allows them: its one
-    build runs on every level from avx2 up), through the kernels' shared builder."""
-    isa = "avx2" if cpu_features.usable("avx2") else None
-    return build_or_fall_back(
-        _compile,
-        specs.PAGED_DECODE.source,
-        "tidepool's CPU paged decode kernel",
-        "SDPA over gathered blocks for decodes",
-        isa,
-    )
-
-
-def load() -> Any | None:
-    """The `paged_decode` op, built and loaded on first call; None where it cannot run."""
-    if "op" not in _state:
+def load(isa: str | None = None) -> Any | None:
+    """The `paged_decode` op of the chosen build (cpu_kernels.chosen_isa: the best the CPU and
+    TIDEPOOL_CPU_ISA allow) or of `isa`'s (tests: any build the CPU runs, whatever the cap),
+    built and loaded on first call; None where it cannot run."""
+    if isa is None:
+        cap = cpu_features.cap()
+        if cap not in _chosen:
+            _chosen[cap] = load(cpu_kernels.chosen_isa() or "none")
+        return _chosen[cap]
+    key = isa if isa in cpu_kernels.BUILD_ISAS and cpu_features.cpu_has(isa) else None
+    if key not in _state:
         with _lock:
-            if "op" not in _state:
-                _state["op"] = _build()
-    return _state["op"]
+            if key not in _state:
+                _state[key] = build_or_fall_back(
+                    _compile,
+                    "cpu_paged_decode.cpp",
+                    "tidepool's CPU paged decode kernel",
+                    "SDPA over gathered blocks for decodes",
+                    key,
+                )
+    return _state[key]
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:

@@ -13,12 +13,14 @@
 // task. Two passes over the visible keys: scores (q . k * scale, Gemma 2's cap * tanh(s / cap)),
 // an exact softmax per query (max, exp, sum: the same order of operations as SDPA's), then P . V.
 // A sliding window starts at the block of the row's first visible key, so it reads only its
-// window's blocks. float32 or bfloat16 (computed in float32), AVX2 + FMA (no AVX-512 needed);
-// parallel over tasks with ATen's parallel_for. Loaded by attention/cpu_paged_decode.py.
+// window's blocks. float32 or bfloat16 (computed in float32); parallel over tasks with ATen's
+// parallel_for.
+//
+// One source, built per ISA (csrc/cpu_simd.h: TP_ISA_AVX512, 16 lanes, or TP_ISA_AVX2, 8 lanes;
+// the op namespace TP_NS per build). Head sizes are multiples of 8: under AVX-512 a head of
+// 16k + 8 floats takes one masked half vector at its end. Loaded by attention/cpu_paged_decode.py.
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -28,57 +30,56 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_simd.h"
+
 namespace {
 
-// ---------------------------------------------------------------- 8-wide loads, float32 math
+// ---------------------------------------------------------------- ISA-specific helpers
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+#if defined(TP_ISA_AVX512)
+// The first n (< kW) lanes of p, the others 0.
+TP_INLINE vf load_part(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+TP_INLINE vf load_part(const c10::BFloat16* p, int64_t n) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(lanes(n), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+TP_INLINE vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+TP_INLINE vf vor_sign(vf magnitude, vf sign_of) {  // |magnitude| with sign_of's sign
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(sign_of), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude), sign));
 }
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+TP_INLINE vf vselect_lt(vf a, vf b, vf if_lt, vf otherwise) {  // a < b ? if_lt : otherwise
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), otherwise, if_lt);
 }
-
-// exp(x) for x <= 0 (scores minus their max), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a
-// degree-5 polynomial for e^r (relative error ~1 ulp), 2^n through the exponent bits. Inputs
-// below -87.3 (where 2^n would leave the normal range) give ~1e-38, i.e. nothing beside the max.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                             _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+#else
+// AVX2's vector is 8 floats and head sizes are multiples of 8: never a part vector.
+TP_INLINE vf load_part(const float* p, int64_t) { return vload(p); }
+TP_INLINE vf load_part(const c10::BFloat16* p, int64_t) { return vload(p); }
+TP_INLINE vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+TP_INLINE vf vor_sign(vf magnitude, vf sign_of) {
+  const __m256 sign = _mm256_and_ps(sign_of, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN)));
+  return _mm256_or_ps(magnitude, sign);
 }
-
-inline float exp1(float x) {
-  return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x)));
+TP_INLINE vf vselect_lt(vf a, vf b, vf if_lt, vf otherwise) {
+  return _mm256_blendv_ps(otherwise, if_lt, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
 }
+#endif
 
-// Soft-capping of one score: cap * tanh(s / cap), with libm's tanh (only Gemma 2 pays it).
-inline float softcap1(float s, float cap) { return cap * std::tanh(s / cap); }
+// tanh(x), Cephes' tanhf in vector form: |x| < 0.625 an odd polynomial (no cancellation near 0),
+// else (1 - t) / (1 + t) with t = e^(-2|x|) <= 0.29 (exp_ps takes x <= 0); ~2 ulp, as libm's.
+TP_INLINE vf tanh_ps(vf x) {
+  const vf ax = vabs(x);
+  const vf z = vmul(x, x);
+  vf p = vset1(-5.70498872745e-3f);
+  p = vfmadd(p, z, vset1(2.06390887954e-2f));
+  p = vfmadd(p, z, vset1(-5.37397155531e-2f));
+  p = vfmadd(p, z, vset1(1.33314422036e-1f));
+  p = vfmadd(p, z, vset1(-3.33332819422e-1f));
+  const vf small = vfmadd(vmul(p, z), x, x);
+  const vf t = exp_ps(vmul(ax, vset1(-2.f)));
+  const vf large = vor_sign(vdiv(vsub(vset1(1.f), t), vadd(vset1(1.f), t)), x);
+  return vselect_lt(ax, vset1(0.625f), small, large);
+}
 
 // ---------------------------------------------------------------- one task
 
@@ -88,49 +89,82 @@ struct Args {
   float scale, cap;                // cap 0: no soft-capping
 };
 
-// acc[d] += p * v[d]
+// Scratch of one thread: queries [M, D] (float32, scaled), scores [M, N], accumulators [M, D].
+struct Scratch {
+  std::vector<float> q, s, acc, inv_sum;
+};
+
+// s[m * N] = q_m . k for the M queries (rows of q, D floats each) against one key row.
 template <typename T>
-inline void axpy(float* acc, float p, const T* v, int64_t D) {
-  const __m256 pp = _mm256_set1_ps(p);
-  for (int64_t d = 0; d < D; d += 8)
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pp, load8(v + d), _mm256_loadu_ps(acc + d)));
+TP_INLINE void scores_of_key(const float* q, const T* k, int64_t M, int64_t D, float* s,
+                             int64_t N) {
+  const int64_t full = D / kW * kW;
+  for (int64_t m = 0; m < M; ++m, q += D) {
+    vf a0 = vzero(), a1 = vzero();
+    int64_t d = 0;
+    for (; d + 2 * kW <= full; d += 2 * kW) {
+      a0 = vfmadd(vloadu(q + d), vload(k + d), a0);
+      a1 = vfmadd(vloadu(q + d + kW), vload(k + d + kW), a1);
+    }
+    if (d < full) a0 = vfmadd(vloadu(q + d), vload(k + d), a0);
+    if (full < D) a1 = vfmadd(load_part(q + full, D - full), load_part(k + full, D - full), a1);
+    s[m * N] = vreduce_add(vadd(a0, a1));
+  }
 }
 
-inline float dot(const float* q, const float* k, int64_t D) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+// acc[d] += p * v[d] over D (acc has D floats; the part vector's other lanes add 0).
+template <typename T>
+TP_INLINE void axpy(float* acc, float p, const T* v, int64_t D) {
+  const vf pp = vset1(p);
+  const int64_t full = D / kW * kW;
+  for (int64_t d = 0; d < full; d += kW) vstoreu(acc + d, vfmadd(pp, vload(v + d), vloadu(acc + d)));
+  if (full < D) {
+    const vmask m = lanes(D - full);
+    vstore_masked(acc + full, m, vfmadd(pp, load_part(v + full, D - full), vload_masked(acc + full, m)));
   }
-  if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
-  return hsum(_mm256_add_ps(a0, a1));
-}
-
-inline float dot(const float* q, const c10::BFloat16* k, int64_t D) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
-  }
-  if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
-  return hsum(_mm256_add_ps(a0, a1));
 }
 
 inline void store_row(float* dst, const float* src, float mul, int64_t D) {
-  const __m256 m = _mm256_set1_ps(mul);
-  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), m));
+  for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * mul;
 }
 
 inline void store_row(c10::BFloat16* dst, const float* src, float mul, int64_t D) {
   for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(src[d] * mul);
 }
 
-// Scratch of one thread: queries [M, D] (float32, scaled), scores [M, N], accumulators [M, D].
-struct Scratch {
-  std::vector<float> q, s, acc;
-};
+// Row `s[begin, end)` (the visible keys of one query) → exp(s - max) in place, the rest of its N
+// entries 0; returns 1 / sum. Soft-capping first where cap > 0.
+inline float softmax_row(float* s, int64_t begin, int64_t end, int64_t N, float cap) {
+  if (cap > 0.f) {
+    const vf c = vset1(cap), inv_c = vset1(1.f / cap);
+    int64_t j = begin;
+    for (; j + kW <= end; j += kW) vstoreu(s + j, vmul(c, tanh_ps(vmul(vloadu(s + j), inv_c))));
+    if (j < end) {
+      const vmask m = lanes(end - j);
+      vstore_masked(s + j, m, vmul(c, tanh_ps(vmul(vload_masked(s + j, m), inv_c))));
+    }
+  }
+  vf vm = vset1(-std::numeric_limits<float>::infinity());
+  int64_t j = begin;
+  for (; j + kW <= end; j += kW) vm = vmax(vm, vloadu(s + j));
+  if (j < end) vm = vmask_max(vm, lanes(end - j), vload_masked(s + j, lanes(end - j)));
+  const vf mx = vset1(vreduce_max(vm));
+  vf sum = vzero();
+  for (j = begin; j + kW <= end; j += kW) {
+    const vf e = exp_ps(vsub(vloadu(s + j), mx));
+    vstoreu(s + j, e);
+    sum = vadd(sum, e);
+  }
+  if (j < end) {
+    const vmask m = lanes(end - j);
+    const vf e = vmaskz(m, exp_ps(vsub(vload_masked(s + j, m), mx)));
+    vstore_masked(s + j, m, e);
+    sum = vadd(sum, e);
+  }
+  std::fill(s, s + begin, 0.f);
+  std::fill(s + end, s + N, 0.f);
+  return 1.f / vreduce_add(sum);
+}
 
 // Row r, KV head h. `seq_len` keys, queries at positions seq_len - qlen .. seq_len - 1.
 template <typename T>
@@ -145,6 +179,7 @@ void attend_task(const Args& a, const T* query, const T* cache, const int32_t* t
   buf.q.resize(M * D);
   buf.s.resize(M * N);
   buf.acc.assign(M * D, 0.f);
+  buf.inv_sum.resize(M);
   // Query vectors m = i * G + g in float32, times the scale (so scores need no multiply).
   for (int64_t i = 0; i < qlen; ++i)
     for (int64_t g = 0; g < G; ++g) {
@@ -161,41 +196,15 @@ void attend_task(const Args& a, const T* query, const T* cache, const int32_t* t
     const int64_t block = key / BS, offset = key % BS;
     const int64_t count = std::min(BS - offset, seq_len - key);
     const T* k = k_head + (static_cast<int64_t>(table[block]) * BS + offset) * D;
-    for (int64_t j = 0; j < count; ++j, k += D) {
-      const int64_t col = key - lo + j;
-      for (int64_t m = 0; m < M; ++m) s[m * N + col] = dot(buf.q.data() + m * D, k, D);
-    }
+    for (int64_t j = 0; j < count; ++j, k += D)
+      scores_of_key(buf.q.data(), k, M, D, s + (key - lo + j), N);
     key += count;
   }
   // Softmax per query over its visible keys [begin, end) of the buffer; the rest get 0.
-  std::vector<float> inv_sum(M);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t pos = first_pos + m / G;
     const int64_t begin = (a.window > 0 ? std::max<int64_t>(pos - a.window + 1, 0) : 0) - lo;
-    const int64_t end = pos + 1 - lo;
-    float* row = s + m * N;
-    if (a.cap > 0.f)
-      for (int64_t j = begin; j < end; ++j) row[j] = softcap1(row[j], a.cap);
-    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t j = begin;
-    for (; j + 8 <= end; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + j));
-    float mx = hmax(vmax);
-    for (; j < end; ++j) mx = std::max(mx, row[j]);
-    const __m256 vm = _mm256_set1_ps(mx);
-    __m256 vsum = _mm256_setzero_ps();
-    for (j = begin; j + 8 <= end; j += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), vm));
-      _mm256_storeu_ps(row + j, e);
-      vsum = _mm256_add_ps(vsum, e);
-    }
-    float sum = hsum(vsum);
-    for (; j < end; ++j) {
-      row[j] = exp1(row[j] - mx);
-      sum += row[j];
-    }
-    for (j = 0; j < begin; ++j) row[j] = 0.f;
-    for (j = end; j < N; ++j) row[j] = 0.f;
-    inv_sum[m] = 1.f / sum;
+    buf.inv_sum[m] = softmax_row(s + m * N, begin, pos + 1 - lo, N, a.cap);
   }
   // Pass 2: acc[m] = sum_j p[m, j] v_j, block by block (each V row loaded once for all M).
   for (int64_t key = lo; key < seq_len;) {
@@ -215,8 +224,146 @@ void attend_task(const Args& a, const T* query, const T* cache, const int32_t* t
     for (int64_t g = 0; g < G; ++g) {
       const int64_t m = i * G + g;
       store_row(out + (q_start + i) * out_stride + (h * G + g) * D, buf.acc.data() + m * D,
-                inv_sum[m], D);
+                buf.inv_sum[m], D);
     }
+}
+
+// ---------------------------------------------------------------- rows of many queries
+//
+// A row of many queries (a prompt chunk) is GEMM-shaped: its keys are transposed once per task
+// into chunks of kW keys, Kt [chunk][D][kW] (float32), so that scores come out kW keys per vector
+// with the queries broadcast (kMB query vectors per register block, no horizontal sums); P . V
+// runs 4 query vectors x 4 vectors of D per register block. Queries go in tiles of kQueryTile:
+// each tile's scores span only the keys some query of it sees (its window, the causal end), so
+// a sliding-window layer reads W + kQueryTile keys per tile, not the whole row. Heads must be a
+// multiple of 4 * kW floats (64 / 128 / 256); others take attend_task.
+
+constexpr int64_t kQueryTile = 32;
+constexpr int64_t kMB = 8;
+constexpr int64_t kLongMinQueries = 8;  // rows of at least this many queries take attend_long
+
+struct LongScratch {
+  std::vector<float> kt, q, s, inv_sum;
+  std::vector<int64_t> offset;  // element offset of key j's row in the K plane (V: + plane)
+};
+
+template <typename T>
+void transpose_keys(const T* k_head, const int64_t* offset, int64_t N, int64_t D, float* kt) {
+  for (int64_t c = 0; c * kW < N; ++c) {
+    const int64_t cnt = std::min<int64_t>(kW, N - c * kW);
+    for (int64_t dd = 0; dd < D; dd += kW) {
+      vf r[kW];
+      for (int64_t j = 0; j < kW; ++j) r[j] = j < cnt ? vload(k_head + offset[c * kW + j] + dd) : vzero();
+      transpose(r);
+      for (int64_t i = 0; i < kW; ++i) vstoreu(kt + (c * D + dd + i) * kW, r[i]);
+    }
+  }
+}
+
+// s[m * ld + c * kW + j] = q_m . key (chunk c, lane j) for m < M, chunks [0, C) of kt.
+inline void tile_scores(const float* q, const float* kt, int64_t M, int64_t C, int64_t D,
+                        float* s, int64_t ld) {
+  for (int64_t c = 0; c < C; ++c) {
+    const float* ktc = kt + c * D * kW;
+    int64_t m = 0;
+    for (; m + kMB <= M; m += kMB) {
+      vf acc[kMB];
+      for (int64_t r = 0; r < kMB; ++r) acc[r] = vzero();
+      const float* qm = q + m * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const vf k = vloadu(ktc + d * kW);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < kMB; ++r) acc[r] = vfmadd(vset1(qm[r * D + d]), k, acc[r]);
+      }
+      for (int64_t r = 0; r < kMB; ++r) vstoreu(s + (m + r) * ld + c * kW, acc[r]);
+    }
+    for (; m < M; ++m) {
+      vf acc = vzero();
+      for (int64_t d = 0; d < D; ++d) acc = vfmadd(vset1(q[m * D + d]), vloadu(ktc + d * kW), acc);
+      vstoreu(s + m * ld + c * kW, acc);
+    }
+  }
+}
+
+// out row of query vector m (of M) = inv_sum[m] * sum_{j in [j0, j1)} p[m, j] V_j, with V_j at
+// v_head + offset[j]; 4 query vectors x 4 vectors of D per register block.
+template <typename T>
+void tile_values(const float* p, int64_t ld, const float* inv_sum, int64_t M, int64_t j0,
+                 int64_t j1, const T* v_head, const int64_t* offset, int64_t D,
+                 T* const* out_rows) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const float* pr[4];
+    for (int64_t r = 0; r < 4; ++r) pr[r] = p + std::min(m + r, M - 1) * ld;  // repeats: unused
+    for (int64_t dv = 0; dv < D; dv += 4 * kW) {
+      vf acc[4][4];
+      for (int64_t r = 0; r < 4; ++r)
+        for (int64_t x = 0; x < 4; ++x) acc[r][x] = vzero();
+      for (int64_t j = j0; j < j1; ++j) {
+        const T* v = v_head + offset[j] + dv;
+        const vf v0 = vload(v), v1 = vload(v + kW), v2 = vload(v + 2 * kW), v3 = vload(v + 3 * kW);
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < 4; ++r) {
+          const vf pp = vset1(pr[r][j]);
+          acc[r][0] = vfmadd(pp, v0, acc[r][0]);
+          acc[r][1] = vfmadd(pp, v1, acc[r][1]);
+          acc[r][2] = vfmadd(pp, v2, acc[r][2]);
+          acc[r][3] = vfmadd(pp, v3, acc[r][3]);
+        }
+      }
+      for (int64_t r = 0; r < 4 && m + r < M; ++r) {
+        const vf mul = vset1(inv_sum[m + r]);
+        for (int64_t x = 0; x < 4; ++x) vstore(out_rows[m + r] + dv + x * kW, vmul(acc[r][x], mul));
+      }
+    }
+  }
+}
+
+// Row r, KV head h, as attend_task, for rows of many queries (D a multiple of 4 * kW).
+template <typename T>
+void attend_long(const Args& a, const T* query, const T* cache, const int32_t* table,
+                 int64_t seq_len, int64_t q_start, int64_t qlen, int64_t h, T* out,
+                 int64_t out_stride, LongScratch& buf) {
+  const int64_t D = a.D, G = a.G, BS = a.block_size, W = a.window;
+  const int64_t first_pos = seq_len - qlen;
+  const int64_t lo = W > 0 ? std::max<int64_t>(first_pos - W + 1, 0) : 0;
+  const int64_t N = seq_len - lo, C = (N + kW - 1) / kW;
+  buf.offset.resize(C * kW);
+  for (int64_t j = 0; j < N; ++j) {
+    const int64_t key = lo + j;
+    buf.offset[j] = ((static_cast<int64_t>(table[key / BS]) * BS) + key % BS) * D;
+  }
+  for (int64_t j = N; j < C * kW; ++j) buf.offset[j] = 0;  // never read (lanes past N are 0)
+  const T* k_head = cache + h * a.num_blocks * BS * D;
+  const T* v_head = k_head + a.Hkv * a.num_blocks * BS * D;
+  buf.kt.resize(C * D * kW);
+  transpose_keys(k_head, buf.offset.data(), N, D, buf.kt.data());
+  std::vector<T*> out_rows(G * kQueryTile);
+  for (int64_t t0 = 0; t0 < qlen; t0 += kQueryTile) {
+    const int64_t qt = std::min(kQueryTile, qlen - t0), M = G * qt;
+    const int64_t p0 = first_pos + t0;  // the tile's first query position
+    // Keys the tile sees, [klo, khi), from chunk c0 on (keys lo + c0 * kW ...).
+    const int64_t klo = W > 0 ? std::max<int64_t>(p0 - W + 1, 0) : 0, khi = p0 + qt;
+    const int64_t c0 = (klo - lo) / kW, c1 = (khi - lo + kW - 1) / kW;
+    const int64_t base = lo + c0 * kW, ld = (c1 - c0) * kW;
+    buf.q.resize(M * D);
+    buf.s.resize(M * ld);
+    buf.inv_sum.resize(M);
+    for (int64_t i = 0; i < qt; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = query + (q_start + t0 + i) * a.q_stride_t + (h * G + g) * a.q_stride_h;
+        float* dst = buf.q.data() + (i * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * a.scale;
+        out_rows[i * G + g] = out + (q_start + t0 + i) * out_stride + (h * G + g) * D;
+      }
+    tile_scores(buf.q.data(), buf.kt.data() + c0 * D * kW, M, c1 - c0, D, buf.s.data(), ld);
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t pos = p0 + m / G;
+      const int64_t begin = (W > 0 ? std::max<int64_t>(pos - W + 1, 0) : 0) - base;
+      buf.inv_sum[m] = softmax_row(buf.s.data() + m * ld, begin, pos + 1 - base, ld, a.cap);
+    }
+    tile_values(buf.s.data(), ld, buf.inv_sum.data(), M, klo - base, khi - base, v_head,
+                buf.offset.data() + c0 * kW, D, out_rows.data());
+  }
 }
 
 template <typename T>
@@ -228,12 +375,18 @@ void run(const Args& a, const at::Tensor& query, const at::Tensor& kv_cache,
   const int32_t* tp = block_table.data_ptr<int32_t>();
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t out_stride = out.stride(0), Hkv = a.Hkv;
+  const bool long_rows = a.D % (4 * kW) == 0;
   at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
     Scratch buf;
+    LongScratch long_buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / Hkv, h = task % Hkv;
-      attend_task<T>(a, qp, cp, tp + r * a.table_width, seq_lens[r], q_starts[r], q_lens[r], h,
-                     op, out_stride, buf);
+      if (long_rows && q_lens[r] >= kLongMinQueries)
+        attend_long<T>(a, qp, cp, tp + r * a.table_width, seq_lens[r], q_starts[r], q_lens[r],
+                       h, op, out_stride, long_buf);
+      else
+        attend_task<T>(a, qp, cp, tp + r * a.table_width, seq_lens[r], q_starts[r], q_lens[r],
+                       h, op, out_stride, buf);
     }
   });
 }
@@ -292,11 +445,15 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
 
 }  // namespace
 
-TORCH_LIBRARY(tidepool_paged, m) {
+#ifndef TP_NS
+#define TP_NS tidepool_paged
+#endif
+
+TORCH_LIBRARY(TP_NS, m) {
   m.def(
       "paged_decode(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_starts, Tensor query_lens, int window, float scale, float softcap, "
       "Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tidepool_paged, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(TP_NS, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -89,13 +89,8 @@ DECODER_OPS = _per_isa("cpu_decoder_ops.cpp", "tidepool_decoder_ops", "tidepool_
 """ISA → the decoders' element-wise kernels' build (attention/cpu_decoder_ops.py)."""
 INT8_OPS = _per_isa("cpu_int8_ops.cpp", "tidepool_int8_ops", "tidepool_int8")
 """ISA → the int8 quantizer / epilogue kernels' build (quantization/int8_ops.py)."""
-PAGED_DECODE = KernelBuild(
-    "cpu_paged_decode.cpp",
-    "tidepool_paged_decode",
-    ("-O3", "-mavx2", "-mfma", "-std=c++17", "-fopenmp"),
-    "tidepool_paged",
-)
-"""The paged decode kernel (attention/cpu_paged_decode.py): one AVX2 build, run from avx2 up."""
+PAGED_DECODE = _per_isa("cpu_paged_decode.cpp", "tidepool_paged_decode", "tidepool_paged")
+"""ISA → the paged decode kernel's build (attention/cpu_paged_decode.py)."""
 INT8_AMX_GEMM = KernelBuild(
     "cpu_int8_gemm.cpp",
     "tidepool_int8_gemm",
@@ -111,6 +106,6 @@ def all_builds() -> list[KernelBuild]:
         *ENCODER_ATTENTION.values(),
         *DECODER_OPS.values(),
         *INT8_OPS.values(),
-        PAGED_DECODE,
+        *PAGED_DECODE.values(),
         INT8_AMX_GEMM,
     ]

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tidepool.attention import cpu_decoder_ops
 from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.models.layers.linear import Linear
 from tidepool.models.layers.rmsnorm import RMSNorm
@@ -43,12 +44,23 @@ from tidepool.models.llama import (
 
 
 class GemmaRMSNorm(RMSNorm):
-    """x / sqrt(mean(x^2) + eps) * (1 + weight), computed in float32, cast back at the end."""
+    """x / sqrt(mean(x^2) + eps) * (1 + weight), computed in float32, cast back at the end.
+    float32 on CPU: one pass in tidepool's RMSNorm kernel with (1 + weight) made once at load
+    (four of these per layer were ~4 torch passes each, plus the (1 + weight) every call)."""
+
+    def process_weights_after_loading(self) -> None:
+        self.plus_one = 1.0 + self.weight.detach().float()
+        self._one_pass = cpu_decoder_ops.usable(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._one_pass and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1:
+            return cpu_decoder_ops.rms_norm(x, self.plus_one, self.eps)
+        plus_one = getattr(self, "plus_one", None)
+        if plus_one is None:  # not loaded through the loader (tests building layers alone)
+            plus_one = 1.0 + self.weight.float()
         x32 = x.float()
         inv_rms = torch.mean(x32 * x32, dim=-1, keepdim=True).add_(self.eps).rsqrt_()
-        return torch.mul(x32, inv_rms).mul_(1.0 + self.weight.float()).to(x.dtype)
+        return torch.mul(x32, inv_rms).mul_(plus_one).to(x.dtype)
 
 
 class GeGLU(nn.Module):
@@ -105,6 +117,18 @@ class GemmaDecoderLayer(nn.Module):
         x = self.post_attention_layernorm(h).add_(x)
         return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))).add_(x)
 
+    def forward_rows(self, x, cos_sin, attn_metadata, kv_cache, output_rows) -> torch.Tensor:
+        """The last layer when the step reads only `output_rows` [R] (llama.DecoderLayer's):
+        K/V at every token, queries, o_proj and the MLP at those rows → [R, hidden]."""
+        h = self.self_attn.attend(
+            self.input_layernorm(x), cos_sin, attn_metadata, kv_cache, output_rows
+        )
+        if output_rows.numel() == 0:  # only prompt chunks short of their end: K/V was all
+            return x.new_empty(0, x.shape[1])
+        h = self.self_attn.o_proj(h)
+        x = self.post_attention_layernorm(h).add_(x.index_select(0, output_rows))
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))).add_(x)
+
 
 def _check_causal(config: Any) -> None:
     if getattr(config, "use_bidirectional_attention", False):
@@ -136,14 +160,23 @@ class Gemma2Model(LlamaModel):
         attn_metadata: PagedAttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
+        """→ [num_tokens, hidden], or [len(output_rows), hidden] when the metadata names output
+        rows (the last layer then runs its queries and MLP at those rows only, as Llama's)."""
         x = self.embed_tokens(input_ids)
         x = x.mul_(torch.tensor(self.embed_scale, dtype=x.dtype))  # scale in the model dtype
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
         cos_sin_local = cos_sin
         if self.rotary_emb_local is not None:
             cos_sin_local = self.rotary_emb_local.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin_local if layer.is_sliding else cos_sin, attn_metadata, kv_cache)
+        output_rows = attn_metadata.output_rows
+        last = len(self.layers) - 1 if output_rows is not None else len(self.layers)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            rope = cos_sin_local if layer.is_sliding else cos_sin
+            if index == last:
+                assert output_rows is not None
+                x = layer.forward_rows(x, rope, attn_metadata, kv_cache, output_rows)
+            else:
+                x = layer(x, rope, attn_metadata, kv_cache)
         return self.norm(x)
 
 

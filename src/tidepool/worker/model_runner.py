@@ -96,7 +96,7 @@ class ModelRunner:
         """Layer index (among KV-cache layers) → its attention view."""
         self.in_place_decode_len = 0
         """Rows of at most this many queries read the KV cache in place (0: every row in SDPA
-        buckets): cpu_paged_decode.MAX_QUERY_LEN where its kernel runs this cache."""
+        buckets): cpu_paged_decode.max_query_len where its kernel runs this cache."""
         self.states = RequestStates(device=self.device)
         self.sampler = Sampler() if config.model.runner_type == "generate" else None
         if config.model.is_causal:
@@ -144,7 +144,9 @@ class ModelRunner:
             cpu_paged_decode.supports(self.device, spec.dtype, spec.head_size)
             for _, spec in self.attention_views
         ):
-            self.in_place_decode_len = cpu_paged_decode.MAX_QUERY_LEN
+            self.in_place_decode_len = min(
+                cpu_paged_decode.max_query_len(spec.head_size) for _, spec in self.attention_views
+            )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), %d group(s)",
             kv_config.num_blocks,
