@@ -3,11 +3,12 @@ a refactor must pass ("speed must not change"). Process CPU seconds with one tor
 that a noisy shared machine moves both sides alike; per-round ratios and their median.
 
     python benchmarks/ab_trees.py /path/to/old/checkout /path/to/new/checkout [--texts 600]
-        [--rounds 4]
+        [--rounds 4] [--modes float32,bfloat16,int8]
 
 Each side runs `python benchmarks/ab_trees.py --worker` with PYTHONPATH=<tree>/src: MiniLM
-(bundled), float32 and bfloat16, the corpus' first N texts (truncated to max_model_len), then
-one 32-token text 40 times (p50).
+(bundled), in each mode (float32 and bfloat16 by default; int8: float32 with
+quantization="int8"), the corpus' first N texts (truncated to max_model_len), then one 32-token
+text 40 times (p50).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def worker(num_texts: int) -> dict:
+def worker(num_texts: int, modes: list[str]) -> dict:
     os.environ.setdefault("TIDEPOOL_NUM_THREADS", "1")
     sys.path.insert(0, str(HERE))
     from corpus import make_corpus
@@ -33,8 +34,8 @@ def worker(num_texts: int) -> dict:
 
     texts = make_corpus(num_texts)
     out = {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(dtype=dtype)
+    for dtype in modes:
+        llm = LLM(quantization="int8") if dtype == "int8" else LLM(dtype=dtype)
         llm.embed(texts[:64], use_tqdm=False, truncate_prompt_tokens=-1)
         start = time.process_time()
         llm.embed(texts, use_tqdm=False, truncate_prompt_tokens=-1)
@@ -56,10 +57,11 @@ def main() -> None:
     parser.add_argument("trees", nargs="*", help="old and new checkout")
     parser.add_argument("--texts", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--modes", default="float32,bfloat16", help="float32, bfloat16, int8")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.texts)))
+        print(json.dumps(worker(args.texts, args.modes.split(","))))
         return
     old, new = args.trees
     ratios: dict[str, list[float]] = {}
@@ -69,6 +71,7 @@ def main() -> None:
         for tree in order:
             env = dict(os.environ, PYTHONPATH=str(Path(tree) / "src"))
             command = [sys.executable, __file__, "--worker", "--texts", str(args.texts)]
+            command += ["--modes", args.modes]
             line = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             results[tree] = json.loads(line.stdout.strip().splitlines()[-1])
         for key in results[old]:

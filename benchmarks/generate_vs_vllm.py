@@ -2,8 +2,8 @@
 prompts, greedy, EOS ignored, float32, prefix caching off, alternating rounds.
 
 Each engine runs in its own process (benchmarks/generate_worker.py): tidepool under this python,
-vLLM under --vllm-python (/work/venv-vllm, made by `bash benchmarks/peer_venvs.sh vllm`) with the
-CPU environment benchmarks/peers.py gives it. Printed per round and as medians: output tokens per
+vLLM under --vllm-python (/work/venv-vllm, made by `bash benchmarks/peers/peer_venvs.sh vllm`) with the
+CPU environment benchmarks/peers/peers.py gives it. Printed per round and as medians: output tokens per
 second, time to first token (p50), inter-token latency (p50 / p99), the tokens/s ratio
 (tidepool / vLLM, median of the per-round ratios) and how many requests' greedy tokens are equal.
 
@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 
 WORKER = Path(__file__).resolve().parent / "generate_worker.py"
 

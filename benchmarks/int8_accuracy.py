@@ -9,13 +9,13 @@ the share of its 10 nearest neighbours (cosine) under int8 that are also its 10 
 float32. Issue 17's targets on all-MiniLM-L6-v2: cos mean >= 0.995, min >= 0.99, overlap >= 0.95.
 
     python benchmarks/int8_accuracy.py [--model PATH] [--texts 1000] [--seeds 0,1]
-        [--variants nearest,gptq,gptq-asym] [--only REGEX] [--alpha A] [--smoothed SUFFIXES]
+        [--variants nearest,gptq,gptq-asym] [--only REGEX] [--alpha A] [--smoothed ROLES]
         [--damping D] [--clip] [--random-per-text N] [--asym-inputs none|one_sided|all] [--bf16]
         [--two-part 'SET;SET;...'] [--two-part-hi nearest|gptq] [--two-part-inputs REGEX]
 
 `--two-part`: each variant runs once per set of two-part linears (W ≈ s·(hi + lo/254)); a set is
-"none", or roles / regexes joined by "+": qkv, attn-out, ffn-up, ffn-down, all (TWO_PART_ROLES),
-e.g. 'none;qkv;ffn-down;qkv+ffn-down'. The row prints the set's share of the linear FLOPs.
+"none", or roles joined by "+": qkv, attn-out, ffn-up, ffn-down, all (TWO_PART_ROLES; the model's
+own `int8_layout` roles, models/quantizable.py), e.g. 'none;qkv;ffn-down;qkv+ffn-down'. The row prints the set's share of the linear FLOPs.
 `--two-part-inputs REGEX` (simulated variants): those linears' inputs are two-part too (uint8 and
 its rounding error at 1/254 of a step: int8_simulate.py's "asymmetric2").
 """
@@ -38,9 +38,15 @@ from int8_simulate import SimulatedInt8Linear, simulated_builder  # noqa: E402
 from tidepool import LLM  # noqa: E402
 from tidepool.models.interfaces import attach_attention_backend  # noqa: E402
 from tidepool.models.layers.linear import Linear  # noqa: E402
+from tidepool.models.quantizable import (  # noqa: E402
+    ATTENTION_OUT,
+    FFN_DOWN,
+    FFN_UP,
+    LINEAR_ROLES,
+    QKV,
+)
 from tidepool.quantization import int8 as quantization  # noqa: E402
 from tidepool.quantization.int8 import (  # noqa: E402
-    FFN_DOWN,
     Int8Recipe,
     build_int8_linear,
     calibration_sequences,
@@ -117,22 +123,27 @@ VARIANTS = {
 
 
 TWO_PART_ROLES = {
-    "qkv": "qkv",
-    "attn-out": r"attention\.output\.dense",
-    "ffn-up": r"intermediate\.dense",
-    "ffn-down": FFN_DOWN,
-    "all": ".*",
+    "qkv": (QKV,),
+    "attn-out": (ATTENTION_OUT,),
+    "ffn-up": (FFN_UP,),
+    "ffn-down": (FFN_DOWN,),
+    "all": LINEAR_ROLES,
 }
-"""--two-part's role names (BERT-family module names) → `matches_linears` patterns."""
+"""--two-part's and --smoothed's names → the linear roles (models/quantizable.py)."""
+
+
+def _roles(names: list[str]) -> tuple[str, ...]:
+    unknown = [n for n in names if n not in TWO_PART_ROLES]
+    if unknown:
+        raise SystemExit(f"unknown role {', '.join(unknown)}; expected {', '.join(TWO_PART_ROLES)}")
+    return tuple(role for n in names for role in TWO_PART_ROLES[n])
 
 
 def two_part_sets(spec: str) -> list[tuple[str, tuple[str, ...]]]:
-    """'none;qkv+ffn-down' → [("none", ()), ("qkv+ffn-down", ("qkv", FFN_DOWN))]."""
-    sets = []
-    for label in spec.split(";"):
-        names = [] if label == "none" else label.split("+")
-        sets.append((label, tuple(TWO_PART_ROLES.get(n, n) for n in names)))
-    return sets
+    """'none;qkv+ffn-down' → [("none", ()), ("qkv+ffn-down", ("qkv", "ffn_down"))]."""
+    return [
+        (label, _roles([] if label == "none" else label.split("+"))) for label in spec.split(";")
+    ]
 
 
 def _flop_share(model: torch.nn.Module, plans: dict) -> float:
@@ -216,7 +227,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--clip", action="store_true", help="GPTQ with the clipping search")
     parser.add_argument("--asym-inputs", help="override asymmetric_inputs (plan inputs)")
     parser.add_argument(
-        "--smoothed", help="override the smoothed linears (comma suffixes or --two-part roles)"
+        "--smoothed", help="override the smoothed linears (comma-separated --two-part roles)"
     )
     parser.add_argument(
         "--only",
@@ -246,7 +257,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         overrides["asymmetric_inputs"] = args.asym_inputs
     if args.smoothed is not None:
         names = (x for x in args.smoothed.split(",") if x)
-        overrides["smoothed_linears"] = tuple(TWO_PART_ROLES.get(n, n) for n in names)
+        overrides["smoothed_roles"] = _roles(list(names))
     if args.two_part_alpha is not None:
         overrides["two_part_alpha"] = args.two_part_alpha
     if args.two_part_hi is not None:
@@ -277,7 +288,7 @@ def main() -> None:
         )
     for name in args.variants.split(","):
         for label, two_part in sets_of_two_part:
-            extra = {} if two_part is None else {"two_part_linears": two_part, "two_part": "always"}
+            extra = {} if two_part is None else {"two_part_roles": two_part, "two_part": "always"}
             seconds, check, share, *results = _measure(
                 llm, VARIANTS[name], {**overrides, **extra}, sets, args.only,
                 args.random_per_text, args.two_part_inputs,

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 
 from corpus import make_corpus  # noqa: E402
 from random_decoder import TOKENIZER_FILES  # noqa: E402

@@ -69,13 +69,17 @@ def int8_gemm() -> str:
     return value
 
 
-def int8_two_part() -> str:
+def int8_two_part() -> str | None:
     """TIDEPOOL_INT8_TWO_PART: which weights the int8 mode's sensitive linears (QKV, FFN up and
-    down) get. "auto" (default): two-part (~15-bit, two int8 GEMMs) only when one-part weights
-    leave the load check's error above quantization/int8.py's MAX_ONE_PART_ERROR (the level
-    that keeps ~0.95 top-10 retrieval overlap with float32); "always"; "never" (one GEMM per
-    linear: fastest, cos ~0.999 but less retrieval overlap on models with outlier channels)."""
-    value = (os.environ.get("TIDEPOOL_INT8_TWO_PART") or "auto").lower()
+    down) get, replacing the `two_part` of whatever recipe is in use; None (unset): the
+    recipe's own (the default's: "auto"). "auto": two-part (~15-bit, two int8 GEMMs) only when
+    one-part weights leave the load check's error above quantization/int8.py's
+    MAX_ONE_PART_ERROR (the level that keeps ~0.95 top-10 retrieval overlap with float32);
+    "always"; "never" (one GEMM per linear: fastest, cos ~0.999 but less retrieval overlap on
+    models with outlier channels)."""
+    value = (os.environ.get("TIDEPOOL_INT8_TWO_PART") or "").lower()
+    if not value:
+        return None
     if value not in ("auto", "always", "never"):
         raise ValueError(f"TIDEPOOL_INT8_TWO_PART must be auto, always or never, got {value!r}")
     return value

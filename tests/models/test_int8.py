@@ -14,6 +14,7 @@ from tidepool import LLM
 from tidepool.entrypoints.cli import build_parser
 from tidepool.entrypoints.cli_args import _engine_kwargs
 from tidepool.models.layers.linear import Linear
+from tidepool.models.quantizable import FFN_DOWN, QKV
 from tidepool.quantization import int8 as quantization
 from tidepool.quantization import int8_ops
 from tidepool.quantization import weights as quantization_weights
@@ -122,6 +123,7 @@ def test_plans_pick_the_one_sided_inputs_for_asymmetric(tiny_model_path) -> None
     )
     recipe = quantization.Int8Recipe(asymmetric_inputs="one_sided")
     check = quantization.quantize_model(model, sequences, recipe)
+    roles = model.int8_layout().roles
     assert check.passed and _int8_layers(llm) == len(check.plans) > 0
     for name, plan in check.plans.items():
         ffn_down = name.endswith(".output.dense") and ".attention." not in name
@@ -129,13 +131,11 @@ def test_plans_pick_the_one_sided_inputs_for_asymmetric(tiny_model_path) -> None
         assert plan.weight_q.dtype == torch.int8 and plan.weight_scale.shape == (
             plan.weight_q.shape[0],
         )
-        assert (plan.input_smoothing is not None) == quantization.matches_linears(
-            name, quantization.SMOOTHED_LINEARS
-        )
+        assert (plan.input_smoothing is not None) == (roles[name] in quantization.SMOOTHED_ROLES)
 
 
 def test_two_part_plans_only_on_the_chosen_linears(tiny_model_path, monkeypatch) -> None:
-    """recipe two_part_linears: exactly those linears get a weight_lo (the split of the smoothed
+    """recipe two_part_roles: exactly the linears of those roles get a weight_lo (the split of the smoothed
     weight, GPTQ skipped), and build_int8_linear hands it to Int8Linear; the others build as
     before (no weight_lo keyword)."""
     llm = LLM(str(tiny_model_path("bert")))
@@ -151,9 +151,9 @@ def test_two_part_plans_only_on_the_chosen_linears(tiny_model_path, monkeypatch)
         return args  # not a module: the layer is never run
 
     monkeypatch.setattr(quantization, "Int8Linear", record)
-    two_part = ("qkv", quantization.FFN_DOWN)
-    recipe = quantization.Int8Recipe(two_part_linears=two_part)
-    plans = quantization._calibrate(model, _linears(model), sequences[0::2], recipe)
+    recipe = quantization.Int8Recipe(two_part_roles=(QKV, FFN_DOWN))
+    roles = model.int8_layout().roles
+    plans = quantization._calibrate(model, _linears(model), roles, sequences[0::2], recipe)
     for name, plan in plans.items():
         quantization.build_int8_linear(_linears(model)[name], plan)
         assert ("weight_lo" in built[len(built) - 1]) == (plan.weight_lo is not None)
@@ -199,7 +199,7 @@ def test_two_part_weights_only_where_the_load_check_needs_them(
 ) -> None:
     """two_part="auto" keeps one GEMM per linear while the load check's 1 - mean cosine stays
     within MAX_ONE_PART_ERROR, and plans the two-part linears (QKV, FFN up / down) otherwise;
-    TIDEPOOL_INT8_TWO_PART overrides the default recipe's choice."""
+    TIDEPOOL_INT8_TWO_PART overrides the recipe's choice (any recipe's: see below)."""
     monkeypatch.setenv("TIDEPOOL_INT8_TWO_PART", env)
     monkeypatch.setattr(quantization, "MAX_ONE_PART_ERROR", error_cap)
     check, two_part, layers = _quantize(tiny_model_path)
@@ -208,6 +208,16 @@ def test_two_part_weights_only_where_the_load_check_needs_them(
     if expect_two_part:
         assert all(n.endswith((".qkv", ".intermediate.dense", ".output.dense")) for n in two_part)
         assert not any(".attention.output." in n for n in two_part)
+
+
+def test_two_part_setting_applies_to_any_recipe(tiny_model_path, monkeypatch) -> None:
+    """TIDEPOOL_INT8_TWO_PART replaces the two_part of whichever recipe is in use (not only the
+    default's); unset, the recipe's own stays."""
+    recipe = quantization.Int8Recipe(weight_rounding="nearest", two_part="never")
+    monkeypatch.setenv("TIDEPOOL_INT8_TWO_PART", "always")
+    assert _quantize(tiny_model_path, recipe)[1]
+    monkeypatch.delenv("TIDEPOOL_INT8_TWO_PART")
+    assert not _quantize(tiny_model_path, recipe)[1]
 
 
 def test_bad_two_part_setting_is_refused(tiny_model_path, monkeypatch) -> None:

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidepool.quantization.int8 import FFN_DOWN, matches_linears
 from tidepool.quantization.int8_linear import Int8Linear, int8_gemm_available
 from tidepool.quantization.weights import (
     WEIGHT_LO_FACTOR,
@@ -151,38 +150,112 @@ def test_split_weight_keeps_a_given_high_part() -> None:
     torch.testing.assert_close(error[~inside], excess[~inside], atol=1e-5, rtol=1e-3)
 
 
-def test_linear_patterns_match_at_the_end_of_the_name() -> None:
-    ffn_down, attention_out = (
-        "encoder.layer.3.output.dense",
-        "encoder.layer.3.attention.output.dense",
-    )
-    assert matches_linears(ffn_down, (FFN_DOWN,))
-    assert not matches_linears(attention_out, (FFN_DOWN,))
-    assert matches_linears(attention_out, ("output.dense",))  # a plain suffix matches both
-    assert matches_linears("encoder.layer.0.attention.self.qkv", ("qkv", FFN_DOWN))
-    assert not matches_linears("encoder.layer.0.intermediate.dense", ("qkv", FFN_DOWN))
-    assert not matches_linears("encoder.layer.0.attention.self.qkv", ())
+def _meta_model(architecture: str, **sizes):
+    """A native model of `architecture` on the meta device (no weights), from a tiny config."""
+    import transformers
+
+    from tidepool.model_loader.registry import get_model_class
+
+    kind = {"Bert": "BertConfig", "XLMRoberta": "XLMRobertaConfig", "MPNet": "MPNetConfig"}
+    kind |= {"DebertaV2": "DebertaV2Config", "T5": "T5Config", "MT5": "MT5Config"}
+    name = next(v for k, v in kind.items() if architecture.startswith(k))
+    config = getattr(transformers, name)(**sizes)
+    with torch.device("meta"):
+        return get_model_class(architecture)(config)
 
 
-def test_default_two_part_linears_are_all_but_the_attention_output() -> None:
+BERT_SIZES = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64)
+DEBERTA_SIZES = BERT_SIZES | dict(
+    embedding_size=16, relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=False
+)
+T5_SIZES = dict(d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2)
+
+
+@pytest.mark.parametrize(
+    "architecture,sizes",
+    [
+        ("BertModel", BERT_SIZES),
+        ("XLMRobertaForSequenceClassification", BERT_SIZES),
+        ("MPNetModel", BERT_SIZES),
+        ("DebertaV2ForSequenceClassification", DEBERTA_SIZES),
+        ("T5EncoderModel", T5_SIZES),
+        ("MT5EncoderModel", T5_SIZES | dict(feed_forward_proj="gated-gelu")),
+    ],
+)
+def test_each_linear_has_its_declared_role(architecture: str, sizes: dict) -> None:
+    """The model file's table (models/quantizable.py) names every tidepool Linear, by its role,
+    and its hand-offs and reused outputs name int8-able linears only."""
+    from tidepool.models.layers.linear import Linear
+    from tidepool.models.quantizable import LINEAR_ROLES
+    from tidepool.quantization.int8 import int8_layout_of
+
+    model = _meta_model(architecture, **sizes)
+    layout = int8_layout_of(model)
+    linears = {n for n, m in model.named_modules() if isinstance(m, Linear)}
+    assert set(layout.roles) == linears and set(layout.roles.values()) <= set(LINEAR_ROLES)
+    for h in layout.handoffs:
+        assert {h.producer, h.consumer} <= linears, h
+    assert all(set(group) <= linears for group in layout.shared_outputs)
+    roles = layout.roles
+    by_role = {r: sorted(n for n in roles if roles[n] == r) for r in set(roles.values())}
+    if architecture.startswith("T5") or architecture.startswith("MT5"):
+        gated = "feed_forward_proj" in sizes
+        assert len(by_role["ffn_up"]) == 2 * (2 if gated else 1)
+        assert all(n.endswith(".o") for n in by_role["attention_out"])
+        return
+    assert all(n.endswith("attention.output.dense") for n in by_role["attention_out"])
+    assert all(".attention." not in n for n in by_role["ffn_down"])
+    # Per layer: attention output → FFN up → FFN down → (the next layer's QKV).
+    assert len(layout.handoffs) == 3 * 3 - 1
+    if architecture.startswith("DebertaV2"):
+        assert by_role["projection"] == ["body.embeddings.embed_proj"]
+        assert len(by_role["position"]) == 2 * 3
+
+
+def test_a_linear_without_a_role_is_refused(monkeypatch) -> None:
+    from tidepool.models.bert import BertLayer
+    from tidepool.quantization.int8 import int8_layout_of
+
+    roles = {k: v for k, v in BertLayer.LINEAR_ROLES.items() if k != "intermediate.dense"}
+    monkeypatch.setattr(BertLayer, "LINEAR_ROLES", roles)
+    with pytest.raises(ValueError, match="gives no role to encoder.layer.0.intermediate.dense"):
+        int8_layout_of(_meta_model("BertModel", **BERT_SIZES))
+
+
+def test_int8_architectures_are_the_classes_that_declare_a_layout() -> None:
+    """The architectures with the int8 path are those whose model file declares it (no list
+    elsewhere): the native encoders and cross-encoders, not the per-token heads or decoders."""
+    from tidepool.model_loader.registry import int8_architectures
+
+    bodies = ("Bert", "Roberta", "XLMRoberta", "MPNet", "DebertaV2")
+    expected = {f"{b}{kind}" for b in bodies for kind in ("Model", "ForSequenceClassification")}
+    assert set(int8_architectures()) == expected | {"T5EncoderModel", "MT5EncoderModel"}
+
+
+def test_model_recipes_change_the_default() -> None:
+    """A model's own recipe changes (T5: only QKV smoothed) apply over the base recipe; a field
+    the recipe does not have is refused, naming it."""
+    from dataclasses import replace
+
+    from tidepool.quantization.int8 import DEFAULT_RECIPE, Int8Recipe, recipe_for
+
+    t5 = _meta_model("T5EncoderModel", **T5_SIZES)
+    assert recipe_for(t5) == replace(DEFAULT_RECIPE, smoothed_roles=("qkv",))
+    base = Int8Recipe(weight_rounding="nearest")
+    assert recipe_for(t5, base).weight_rounding == "nearest"
+    bert = _meta_model("BertModel", **BERT_SIZES)
+    assert recipe_for(bert) == DEFAULT_RECIPE
+    layout = bert.int8_layout()
+    bert.int8_layout = lambda: replace(layout, recipe={"smoothing": 0.5})
+    with pytest.raises(ValueError, match="names smoothing, which Int8Recipe does not have"):
+        recipe_for(bert)
+
+
+def test_default_two_part_roles_are_all_but_the_attention_output() -> None:
     from tidepool.quantization.int8 import DEFAULT_RECIPE
 
-    patterns = DEFAULT_RECIPE.two_part_linears
-    for name in (
-        "encoder.layer.5.attention.self.qkv",
-        "encoder.layer.5.intermediate.dense",
-        "encoder.layer.5.output.dense",
-        "encoder.block.0.layer.0.SelfAttention.qkv",  # T5
-        "encoder.block.0.layer.1.DenseReluDense.wi_1",
-        "encoder.block.0.layer.1.DenseReluDense.wo",
-    ):
-        assert matches_linears(name, patterns), name
-    for name in (
-        "encoder.layer.5.attention.output.dense",
-        "encoder.block.0.layer.0.SelfAttention.o",
-        "encoder.layer.5.attention.self.pos_key_proj",  # DeBERTa
-    ):
-        assert not matches_linears(name, patterns), name
+    assert set(DEFAULT_RECIPE.two_part_roles) == {"qkv", "ffn_up", "ffn_down"}
+    assert set(DEFAULT_RECIPE.smoothed_roles) == {"qkv", "ffn_up"}
 
 
 @pytest.mark.skipif(not int8_gemm_available(), reason="no oneDNN int8 linear")

@@ -6,8 +6,8 @@ write (any dtype; paged.py).
 Why: on the Qwen3-Embedding-shaped body (benchmarks/decoder_embed.py) the torch forms of these
 took ~15% of a pass (RoPE's broadcast multiplies over strided halves, the norm's four passes over
 strided heads, index_put for the cache); figures in docs/performance.md, "Decoder pooling".
-Built on first use with torch's C++ extension loader like attention/cpu_kernels.py (named by the
-source's hash, cached under TORCH_EXTENSIONS_DIR); where the build fails or the CPU has no
+Loaded like attention/cpu_kernels.py (kernels/build.py: the installed build of these sources,
+else built on first use, named by the source's hash); where the build fails or the CPU has no
 AVX2 (the build is the best of AVX-512 / AVX2 + FMA the CPU and TIDEPOOL_CPU_ISA allow:
 plain loops the compiler vectorises for the build's ISA), `load()` says why once and returns
 None, and the callers keep their torch ops.
@@ -19,27 +19,25 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from tidepool.attention import cpu_kernels
-from tidepool.kernels import cpu_features
+from tidepool.kernels import cpu_features, specs
+from tidepool.kernels.build import build_or_fall_back, load_build
 
 logger = logging.getLogger("tidepool")
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_decoder_ops.cpp"
-_NAMESPACE = "tidepool_decoder"
 
 _lock = threading.Lock()
 _state: dict[str | None, Any] = {}
 
 
 def _compile(isa: str) -> Any:
-    flags = cpu_kernels.isa_cflags(isa, _NAMESPACE)
-    cpu_kernels.build_extension(_SOURCE, f"tidepool_decoder_ops_{isa}", flags)
-    return getattr(torch.ops, cpu_kernels.namespace(_NAMESPACE, isa))
+    build = specs.DECODER_OPS[isa]
+    load_build(build)
+    return getattr(torch.ops, build.namespace)
 
 
 def load(isa: str | None = None) -> Any | None:
@@ -53,8 +51,12 @@ def load(isa: str | None = None) -> Any | None:
     if isa not in _state:
         with _lock:
             if isa not in _state:
-                _state[isa] = cpu_kernels.build_or_fall_back(
-                    _compile, _SOURCE.name, "tidepool's CPU decoder kernels", "torch ops", isa
+                _state[isa] = build_or_fall_back(
+                    _compile,
+                    "cpu_decoder_ops.cpp",
+                    "tidepool's CPU decoder kernels",
+                    "torch ops",
+                    isa,
                 )
     return _state[isa]
 

@@ -1,4 +1,5 @@
-"""tidepool's own CPU kernels (csrc/), built on first use with torch's C++ extension loader.
+"""tidepool's CPU attention kernel (csrc/), loaded by kernels/build.py: the package's build when
+it was installed from these sources, else built on first use.
 
 `encoder_attention` (csrc/cpu_encoder_attention.cpp) is bidirectional attention over packed,
 variable-length sequences: no padding, no mask, each (sequence, head) one task for a thread,
@@ -20,134 +21,50 @@ vLLM, not a library).
 One source, built per ISA (BUILD_ISAS; csrc/cpu_simd.h): AVX-512 (16 lanes, and the AMX-bf16
 products where the CPU has them) or AVX2 + FMA (8 lanes; laptops, older servers, AMD Zen 2 / 3).
 The build run is chosen once, at load, by cpu_features.py: the best the CPU has, capped by
-TIDEPOOL_CPU_ISA (=avx2 runs the AVX2 build on an AVX-512 machine). Each build takes ~10-40 s
-once per machine (torch caches it under TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions); it needs a C++ compiler and ninja (the `ninja` package is a
-dependency). Where the CPU has neither ISA or the build fails, `load()` says why once and returns
+TIDEPOOL_CPU_ISA (=avx2 runs the AVX2 build on an AVX-512 machine). `pip install` builds each
+ISA's module (setup.py, kernels/specs.py); an edited source (a developer's tree) is built on
+first use instead, ~10-40 s once per machine (torch caches it under TORCH_EXTENSIONS_DIR, by
+default ~/.cache/torch_extensions), which needs a C++ compiler and ninja (the `ninja` package is
+a dependency). Where the CPU has neither ISA or the build fails, `load()` says why once and returns
 None, and the encoders keep PyTorch's SDPA. TIDEPOOL_CPU_ATTENTION=sdpa turns the kernel off,
 =native makes a failure an error (envs.cpu_attention).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import shutil
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from tidepool import envs
 from tidepool.attention.relative_bias import RelativePositionBias
-from tidepool.kernels import cpu_features
+from tidepool.kernels import cpu_features, specs
+from tidepool.kernels.build import build_or_fall_back, load_build
 
 logger = logging.getLogger("tidepool")
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_encoder_attention.cpp"
 HEAD_DIMS = (32, 64, 128)
 # Each thread keeps one sequence's [L, L] float32 scores (L2-sized for encoder lengths: 1 MiB at
 # 512 tokens, 16 MiB at this limit); longer models keep PyTorch's SDPA, which tiles its scores.
-# The op's own check is built from this constant (-DTIDEPOOL_MAX_SEQ_LEN).
-MAX_SEQ_LEN = 2048
+# The op's own check is built from this constant (-DTIDEPOOL_MAX_SEQ_LEN, kernels/specs.py).
+MAX_SEQ_LEN = specs.ATTENTION_MAX_SEQ_LEN
 _DTYPES = (torch.float32, torch.bfloat16)
 MATMULS = {"float32": 0, "bf16": 1, "bf16x3": 2}
 """The kernel's product modes → the op's `matmul` code (csrc/cpu_encoder_attention.cpp)."""
-BUILD_ISAS = ("avx512", "avx2")
+BUILD_ISAS = specs.BUILD_ISAS
 """The ISA levels (cpu_features.LEVELS) tidepool's vector kernels are built for, best first:
 csrc/cpu_simd.h's TP_ISA_AVX512 and TP_ISA_AVX2."""
-ISA_CFLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-DTP_ISA_AVX512"],
-    "avx2": ["-mavx2", "-mfma", "-DTP_ISA_AVX2"],
-}
-"""Each build's ISA flags; every build also gets BASE_CFLAGS."""
-BASE_CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
-AVX512_CFLAGS = [*BASE_CFLAGS, *ISA_CFLAGS["avx512"]]
-"""The AVX-512 build's flags (the AMX int8 GEMM adds its own to these)."""
-_NAMESPACE = "tidepool_cpu"
-
-
-def namespace(base: str, isa: str) -> str:
-    """The op namespace of one ISA's build of a source: `base` for AVX-512 (the names the
-    kernels always had), `base`_`isa` for the others, so that a process (the tests) can load
-    several builds of one source side by side."""
-    return base if isa == "avx512" else f"{base}_{isa}"
-
-
-def isa_cflags(isa: str, base_namespace: str) -> list[str]:
-    """The flags of `isa`'s build of a source whose op namespace is `base_namespace`."""
-    return [*BASE_CFLAGS, *ISA_CFLAGS[isa], f"-DTP_NS={namespace(base_namespace, isa)}"]
-
+_SOURCE_NAME = specs.ENCODER_ATTENTION["avx512"].source
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; the `ninja` package's binary is not there unless the
-    environment is activated."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def build_extension(source: Path, prefix: str, cflags: list[str]) -> None:
-    """Build (or load the cached build of) one of tidepool's C++ sources as a torch extension;
-    raises where it cannot. Named by the source's and flags' hash: checkouts with different
-    kernels (worktrees, upgrades) share torch's build cache without loading each other's builds.
-    Shared by the encoder attention kernel, the decoder kernels and the int8 kernels."""
-    from torch.utils.cpp_extension import load
-
-    _put_ninja_on_path()
-    # The headers beside the source (csrc/*.h) are part of every build's name too.
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode()).hexdigest()[
-        :12
-    ]
-    load(
-        name=f"{prefix}_{digest}",
-        sources=[str(source)],
-        extra_cflags=cflags,
-        # OpenMP: ATen's parallel_for is a header template, compiled into the kernel; without
-        # it the kernel runs on one thread. libgomp.so.1 resolves to the one torch loaded.
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
-
-
 def _compile(isa: str) -> Any:
-    flags = [*isa_cflags(isa, _NAMESPACE), f"-DTIDEPOOL_MAX_SEQ_LEN={MAX_SEQ_LEN}"]
-    build_extension(_SOURCE, f"tidepool_cpu_ops_{isa}", flags)
-    return getattr(torch.ops, namespace(_NAMESPACE, isa))
-
-
-def build_or_fall_back(
-    compile_fn, source_name: str, what: str, fallback: str, isa: str | None
-) -> Any | None:
-    """`compile_fn(isa)` where TIDEPOOL_CPU_ATTENTION allows it and `isa` (a build, chosen by
-    the caller with cpu_features.best) is not None, else None with one warning line (`what` is
-    off, `fallback` runs instead); `=native` makes a failed build an error. Shared by the
-    encoder attention kernel, the decoder kernels and the int8 kernels."""
-    mode = envs.cpu_attention()
-    if mode == "sdpa":
-        return None
-    why = cpu_features.why_not(BUILD_ISAS[-1]) if isa is None else ""
-    if isa is not None:
-        try:
-            return compile_fn(isa)
-        except Exception as e:  # a missing compiler / ninja, a failed build
-            why = f"building {source_name} for {isa} failed: {type(e).__name__}: {e}"
-    if mode == "native":
-        raise RuntimeError(f"TIDEPOOL_CPU_ATTENTION=native, but {what} is unusable: {why}")
-    logger.warning("%s is off (%s); using %s", what, why, fallback)
-    return None
+    build = specs.ENCODER_ATTENTION[isa]
+    load_build(build)
+    return getattr(torch.ops, build.namespace)
 
 
 def load_isa(isa: str) -> Any | None:
@@ -157,7 +74,7 @@ def load_isa(isa: str) -> Any | None:
         with _lock:
             if isa not in _state:
                 _state[isa] = build_or_fall_back(
-                    _compile, _SOURCE.name, f"tidepool's CPU attention kernel ({isa})",
+                    _compile, _SOURCE_NAME, f"tidepool's CPU attention kernel ({isa})",
                     "PyTorch SDPA", isa if cpu_features.cpu_has(isa) else None,
                 )  # fmt: skip
     return _state[isa]
@@ -178,7 +95,7 @@ def load():
         if key not in _state:
             with _lock:
                 _state[key] = build_or_fall_back(
-                    _compile, _SOURCE.name, "tidepool's CPU attention kernel", "PyTorch SDPA", None
+                    _compile, _SOURCE_NAME, "tidepool's CPU attention kernel", "PyTorch SDPA", None
                 )
         return _state[key]
     return load_isa(isa)

@@ -9,8 +9,8 @@ Why: the SDPA path gathers every block a decode reads into a padded copy each la
 (`index_select`), builds an additive mask, and runs SDPA per bucket; reading in place moves each
 cached K / V byte once (docs/performance.md, "Decode").
 
-Built on first use with torch's C++ extension loader (attention/cpu_kernels.build_extension,
-cached under TORCH_EXTENSIONS_DIR), one source per ISA (csrc/cpu_simd.h; cpu_kernels.BUILD_ISAS:
+Loaded by kernels/build.py (the installed build of these sources, else built on first use with
+torch's C++ extension loader, cached under TORCH_EXTENSIONS_DIR), one source per ISA (csrc/cpu_simd.h; cpu_kernels.BUILD_ISAS:
 AVX-512, 16 lanes, or AVX2 + FMA, 8 lanes, for AVX2-only CPUs such as AMD Zen 2 / 3); the build
 run is the best the CPU has and TIDEPOOL_CPU_ISA allows (kernels/cpu_features.py; =avx2 runs the
 AVX2 build on an AVX-512 machine). Where the CPU has neither or the build fails, `load()` says
@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from tidepool.attention import cpu_kernels
-from tidepool.kernels import cpu_features
+from tidepool.kernels import cpu_features, specs
+from tidepool.kernels.build import build_or_fall_back, load_build
 
 logger = logging.getLogger("tidepool")
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_paged_decode.cpp"
-_NAMESPACE = "tidepool_paged"
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_QUERY_LEN = 16
 """Rows of at most this many queries take the kernel at any head size."""
@@ -56,9 +54,9 @@ _chosen: dict[str | None, Any] = {}
 
 
 def _compile(isa: str) -> Any:
-    flags = cpu_kernels.isa_cflags(isa, _NAMESPACE)
-    cpu_kernels.build_extension(_SOURCE, f"tidepool_paged_decode_{isa}", flags)
-    return getattr(torch.ops, cpu_kernels.namespace(_NAMESPACE, isa)).paged_decode
+    build = specs.PAGED_DECODE[isa]
+    load_build(build)
+    return getattr(torch.ops, build.namespace).paged_decode
 
 
 def load(isa: str | None = None) -> Any | None:
@@ -74,9 +72,9 @@ def load(isa: str | None = None) -> Any | None:
     if key not in _state:
         with _lock:
             if key not in _state:
-                _state[key] = cpu_kernels.build_or_fall_back(
+                _state[key] = build_or_fall_back(
                     _compile,
-                    _SOURCE.name,
+                    "cpu_paged_decode.cpp",
                     "tidepool's CPU paged decode kernel",
                     "SDPA over gathered blocks for decodes",
                     key,

@@ -16,6 +16,7 @@ from torch import nn
 from tidepool.checkpoint.loader import iter_weights
 from tidepool.config import ModelConfig
 from tidepool.models.interfaces import ExtraWeightFiles, attach_attention_backend
+from tidepool.models.quantizable import has_int8_path
 
 # architecture → (module under tidepool.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -128,6 +129,11 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return getattr(module, class_name)
 
 
+def int8_architectures() -> list[str]:
+    """The native architectures whose class declares an int8 layout (models/quantizable.py)."""
+    return [a for a in _MODELS if has_int8_path(get_model_class(a))]
+
+
 def build_model(config: ModelConfig) -> nn.Module:
     """Instantiate without initializing (meta device), then fill from the checkpoint."""
     if config.model_impl == "transformers":
@@ -154,12 +160,12 @@ def build_model(config: ModelConfig) -> nn.Module:
     # Once device and dtype are final: a machine's first run builds the CPU kernel now.
     attach_attention_backend(model, config.device, config.dtype)
     if config.quantization == "int8":
-        from tidepool.quantization.int8 import calibration_sequences, quantize_model
+        from tidepool.quantization.int8 import calibration_sequences, quantize_model, recipe_for
 
         sequences = calibration_sequences(
             config.path, config.max_model_len, config.hf_config.vocab_size, config.seed
         )
-        if quantize_model(model, sequences).passed:
+        if quantize_model(model, sequences, recipe_for(model)).passed:
             # Calibrated and checked on float32 attention; the int8 model's may be reduced.
             attach_attention_backend(model, config.device, config.dtype, reduced_precision=True)
     return model

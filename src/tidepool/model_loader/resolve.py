@@ -36,6 +36,7 @@ from tidepool.model_loader.registry import (
     explain_config_error,
     get_model_class,
     has_implementation,
+    int8_architectures,
     native_architecture,
     port_hint,
     refuse_unsupported_kind,
@@ -144,7 +145,12 @@ def build_model_config(
         log_pooling(resolved.architecture, resolved.model_impl, resolved.is_causal, st)
     torch_device = torch.device(device) if device else default_device()
     model_dtype = resolve_dtype(dtype, torch_device, checkpoint_dtype(hf_config))
-    check_quantization(quantization, resolved.architecture, resolved.model_impl)
+    model_cls = None
+    if quantization is not None and resolved.model_impl == "native":
+        model_cls = get_model_class(resolved.architecture)
+    check_quantization(
+        quantization, resolved.architecture, resolved.model_impl, model_cls, int8_architectures
+    )
     check_quantization_target(quantization, torch_device, model_dtype)
     config = ModelConfig(
         model=str(model),

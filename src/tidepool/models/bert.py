@@ -18,6 +18,14 @@ from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAtte
 from tidepool.attention.layer import Attention, AttentionModel
 from tidepool.attention.metadata import EncoderAttentionMetadata, first_token_slots, pad_buckets
 from tidepool.models.layers.linear import Linear
+from tidepool.models.quantizable import (
+    ATTENTION_OUT,
+    FFN_DOWN,
+    FFN_UP,
+    QKV,
+    Handoff,
+    Int8Layout,
+)
 from tidepool.models.weights import equal_thirds, load_fused_weights, qkv_markers
 
 
@@ -123,6 +131,22 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
+    LINEAR_ROLES: ClassVar[dict[str, str]] = {
+        "attention.self.qkv": QKV,
+        "attention.output.dense": ATTENTION_OUT,
+        "intermediate.dense": FFN_UP,
+        "output.dense": FFN_DOWN,
+    }
+    """int8 (models/quantizable.py): each linear's role."""
+    HANDOFFS: ClassVar[tuple[Handoff, ...]] = (
+        # The attention output's LayerNorm'd rows are FFN up's input; FFN up's rows are read by
+        # FFN down only (forward below).
+        Handoff("attention.output.dense", "intermediate.dense"),
+        Handoff("intermediate.dense", "output.dense", exclusive=True),
+    )
+    """int8: the layer's own hand-offs (the next layer's QKV reads FFN down's LayerNorm'd rows:
+    `post_ln_stack_layout`)."""
+
     def __init__(self, config) -> None:
         super().__init__()
         self.attention = BertAttention(config)
@@ -172,6 +196,35 @@ class BertEncoder(nn.Module):
         return self.layer[-1].forward_first_tokens(x, meta, first_slots)
 
 
+def post_ln_stack_layout(
+    prefix: str, layers: nn.ModuleList, reuse_qkv_output: bool = True
+) -> Int8Layout:
+    """The int8 layout of a post-LN layer stack (BERT's `BertLayer` tables, its subclasses' and
+    DeBERTa's) at `prefix` ("encoder.layer."): each layer's roles and hand-offs, FFN down's rows
+    handed to the next layer's QKV, and the reused outputs: one buffer for every layer's FFN up
+    (read by FFN down only), with `reuse_qkv_output` one for every QKV (read by the attention
+    only), and the residual stream's two in turn (layer i's attention output and FFN down are
+    dead when layer i + 1 writes them; the last FFN down's rows are the model's output)."""
+    roles: dict[str, str] = {}
+    handoffs: list[Handoff] = []
+    for i, layer in enumerate(layers):
+        at = f"{prefix}{i}."
+        present = dict(layer.named_modules())  # optional linears (None) are left out
+        roles.update({at + n: role for n, role in layer.LINEAR_ROLES.items() if n in present})
+        handoffs += [Handoff(at + h.producer, at + h.consumer, h.exclusive) for h in layer.HANDOFFS]
+        if i + 1 < len(layers):
+            handoffs.append(Handoff(at + "output.dense", f"{prefix}{i + 1}.attention.self.qkv"))
+    names = [f"{prefix}{i}." for i in range(len(layers))]
+    shared = [
+        tuple(n + "intermediate.dense" for n in names),
+        tuple(n + "attention.output.dense" for n in names),
+        tuple(n + "output.dense" for n in names[:-1]),
+    ]
+    if reuse_qkv_output:
+        shared.insert(0, tuple(n + "attention.self.qkv" for n in names))
+    return Int8Layout(roles, tuple(handoffs), tuple(shared))
+
+
 class BertModel(AttentionModel, nn.Module):
     """The encoder body: packed token ids → hidden states [num_tokens, hidden] (an EncoderModel,
     models/interfaces.py)."""
@@ -199,6 +252,10 @@ class BertModel(AttentionModel, nn.Module):
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         return AttentionSpec(device, dtype, head_dim, self.config.max_position_embeddings)
+
+    def int8_layout(self) -> Int8Layout:
+        """int8 (models/quantizable.py): the post-LN stack's roles and chains."""
+        return post_ln_stack_layout("encoder.layer.", self.encoder.layer)
 
     def forward(
         self,
@@ -280,6 +337,11 @@ class EncoderWithHead(AttentionModel, nn.Module):
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
         return self.body.attention_spec(device, dtype)
 
+    def body_int8_layout(self) -> Int8Layout:
+        """The body's int8 layout under "body." (the heads' `nn.Linear`s stay float32): a
+        subclass with the int8 path returns it from `int8_layout`."""
+        return self.body.int8_layout().prefixed("body.")
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -314,6 +376,9 @@ class BertForSequenceClassification(EncoderWithHead):
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         """pooled: [num_seqs, hidden] (the CLS states) → [num_seqs, num_labels]."""
         return self.classifier(torch.tanh(self.pooler_dense(pooled)))
+
+    def int8_layout(self) -> Int8Layout:
+        return self.body_int8_layout()
 
     head_names = {
         "bert.pooler.dense.weight": "pooler_dense.weight",

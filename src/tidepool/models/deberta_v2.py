@@ -38,10 +38,17 @@ from tidepool.attention.metadata import (
     first_token_slots,
     pad_buckets,
 )
-from tidepool.models.bert import BertDenseLayerNorm, BertIntermediate, EncoderWithHead
+from tidepool.models.bert import (
+    BertDenseLayerNorm,
+    BertIntermediate,
+    BertLayer,
+    EncoderWithHead,
+    post_ln_stack_layout,
+)
 from tidepool.models.heads import BertForTokenClassification
 from tidepool.models.layers.activation import get_activation
 from tidepool.models.layers.linear import Linear
+from tidepool.models.quantizable import POSITION, PROJECTION, Int8Layout
 from tidepool.models.weights import equal_thirds, load_fused_weights, qkv_markers
 
 
@@ -208,6 +215,15 @@ class DebertaV2Attention(nn.Module):
 
 
 class DebertaV2Layer(nn.Module):
+    LINEAR_ROLES: ClassVar[dict[str, str]] = {
+        **BertLayer.LINEAR_ROLES,
+        "attention.self.pos_key_proj": POSITION,
+        "attention.self.pos_query_proj": POSITION,
+    }
+    """int8 (models/quantizable.py): BERT's four, and the relative positions' projections."""
+    HANDOFFS = BertLayer.HANDOFFS
+    """BERT's (forward below: FFN up's rows are read by FFN down only)."""
+
     def __init__(self, config) -> None:
         super().__init__()
         self.attention = DebertaV2Attention(config)
@@ -380,6 +396,16 @@ class DebertaV2Model(nn.Module):
     def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
         self.attention_backend = backend
 
+    def int8_layout(self) -> Int8Layout:
+        """int8 (models/quantizable.py): BERT's post-LN stack with the position projections;
+        the QKV outputs stay fresh tensors (never measured with a reused buffer), and the
+        embedding projection (embedding_size != hidden_size) is int8 too."""
+        layout = post_ln_stack_layout("encoder.layer.", self.encoder.layer, reuse_qkv_output=False)
+        if self.embeddings.embed_proj is None:
+            return layout
+        roles = {"embeddings.embed_proj": PROJECTION, **layout.roles}
+        return Int8Layout(roles, layout.handoffs, layout.shared_outputs)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -424,6 +450,9 @@ class DebertaV2ForSequenceClassification(EncoderWithHead):
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         """pooled: [num_seqs, hidden] (the first tokens' states) → [num_seqs, num_labels]."""
         return self.classifier(self.pooler_act(self.pooler_dense(pooled)))
+
+    def int8_layout(self) -> Int8Layout:
+        return self.body_int8_layout()
 
     head_names = {
         "pooler.dense.weight": "pooler_dense.weight",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from tidepool.attention.relative_bias import RelativePositionBias, bidirectional
 from tidepool.models.bert import BertModel
 from tidepool.models.layers.linear import Linear
 from tidepool.models.layers.rmsnorm import RMSNorm
+from tidepool.models.quantizable import ATTENTION_OUT, FFN_DOWN, FFN_UP, QKV, Handoff, Int8Layout
 from tidepool.models.weights import equal_thirds, load_fused_weights, qkv_markers
 
 # T5's relative positions have no limit; model_loader/resolve.py caps prompts at the config's
@@ -76,6 +78,10 @@ class T5LayerSelfAttention(nn.Module):
 class T5DenseActDense(nn.Module):
     """wo(act(wi(x))) + residual (feed_forward_proj "relu", "gelu", ...)."""
 
+    LINEAR_ROLES: ClassVar[dict[str, str]] = {"wi": FFN_UP, "wo": FFN_DOWN}
+    """int8 (models/quantizable.py): each linear's role; wi's rows are wo's input."""
+    HANDOFFS: ClassVar[tuple[Handoff, ...]] = (Handoff("wi", "wo"),)
+
     def __init__(self, config) -> None:
         super().__init__()
         self.wi = Linear(config.d_model, config.d_ff, bias=False, activation=config.dense_act_fn)
@@ -88,6 +94,11 @@ class T5DenseActDense(nn.Module):
 class T5DenseGatedActDense(nn.Module):
     """wo(act(wi_0(x)) * wi_1(x)) + residual (feed_forward_proj "gated-gelu", ...): the
     activation runs in wi_0's GEMM, the product in wi_1's, the residual add in wo's."""
+
+    LINEAR_ROLES: ClassVar[dict[str, str]] = {"wi_0": FFN_UP, "wi_1": FFN_UP, "wo": FFN_DOWN}
+    """int8: the gate and the up projection are both FFN up; wi_1's epilogue multiplies in the
+    gate, so its rows are wo's input."""
+    HANDOFFS: ClassVar[tuple[Handoff, ...]] = (Handoff("wi_1", "wo"),)
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -120,6 +131,21 @@ class T5Block(nn.Module):
         self, x: torch.Tensor, meta: EncoderAttentionMetadata, bias: RelativePositionBias
     ) -> torch.Tensor:
         return self.layer[1](self.layer[0](x, meta, bias))
+
+    def int8_layout(self, prefix: str) -> Int8Layout:
+        """int8 (models/quantizable.py): this block's linears under `prefix`, and its FFN's
+        hand-off (the attention's output goes on through the RMSNorm: no hand-off there)."""
+        ff = self.layer[1].DenseReluDense
+        at = prefix + "layer.1.DenseReluDense."
+        roles = {
+            prefix + "layer.0.SelfAttention.qkv": QKV,
+            prefix + "layer.0.SelfAttention.o": ATTENTION_OUT,
+        }
+        roles |= {at + name: role for name, role in ff.LINEAR_ROLES.items()}
+        handoffs = tuple(
+            Handoff(at + h.producer, at + h.consumer, h.exclusive) for h in ff.HANDOFFS
+        )
+        return Int8Layout(roles, handoffs)
 
 
 class T5Embeddings(nn.Module):
@@ -187,6 +213,20 @@ class T5EncoderModel(BertModel):
         return AttentionSpec(
             device, dtype, self.config.d_kv, int(max_positions or DEFAULT_MAX_POSITIONS)
         )
+
+    INT8_RECIPE: ClassVar[dict[str, object]] = {"smoothed_roles": (QKV,)}
+    """T5's change to the default int8 recipe: only QKV's input is smoothed (FFN up keeps its
+    RMSNorm'd input as it is: the recipe T5 was measured with, tests/models/test_t5.py)."""
+
+    def int8_layout(self) -> Int8Layout:
+        """int8 (models/quantizable.py): every block's table; no reused outputs."""
+        roles: dict[str, str] = {}
+        handoffs: tuple[Handoff, ...] = ()
+        for i, block in enumerate(self.encoder.block):
+            layout = block.int8_layout(f"encoder.block.{i}.")
+            roles |= layout.roles
+            handoffs += layout.handoffs
+        return Int8Layout(roles, handoffs, recipe=self.INT8_RECIPE)
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → ours: the (tied) shared embeddings, the encoder's blocks, the first

@@ -2,7 +2,10 @@
 loaded encoder's linear layers for int8 ones (quantization/int8_linear.py), checked at load.
 
 What runs in int8: every `Linear` of the encoder body (fused QKV, attention output, FFN up and
-down; DeBERTa's position projections). What stays float32, and why (docs/performance.md, "int8"):
+down; DeBERTa's position projections), each with the role its model file declares
+(`int8_layout()`, models/quantizable.py: which linear is QKV, FFN down...; the recipe chooses
+by role, and the model may change the default recipe). Adding a quantized architecture is its
+model file's table (+ tests): nothing here names a model. What stays float32, and why (docs/performance.md, "int8"):
 the embeddings and LayerNorms (cheap, and their outputs feed the residual stream), attention
 scores, softmax and P·V (never int8: softmax is where int8 errors would grow; once the load check
 passed, the loader gives the attention AMX-bf16 products with a float32 softmax where the CPU has
@@ -14,7 +17,7 @@ Load, in three steps (`quantize_model`, by an `Int8Recipe`):
      divided per channel by a factor folded into the weight (SmoothQuant: c_k = amax_k^α /
      max_n |W_nk|^(1-α)), which moves the LayerNorm outputs' outlier channels into the weights,
      where each output channel has its own scale; the int8 weights: two-part on
-     `two_part_linears` (W ≈ s·(hi + lo/254), two int8 GEMMs, ~15-bit weights: then smoothed
+     `two_part_roles` (W ≈ s·(hi + lo/254), two int8 GEMMs, ~15-bit weights: then smoothed
      harder, alpha `two_part_alpha`, since the weight takes the outliers at no loss), else
      rounded by GPTQ from the inputs' Xᵀ X (quantization/weights.py); the activation
      scheme per token (asymmetric uint8 + zero point, or symmetric int8);
@@ -26,9 +29,8 @@ Load, in three steps (`quantize_model`, by an `Int8Recipe`):
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +39,14 @@ from torch import nn
 from tidepool import envs
 from tidepool.attention.common import encoder_step
 from tidepool.models.layers.linear import Linear
+from tidepool.models.quantizable import (
+    FFN_DOWN,
+    FFN_UP,
+    QKV,
+    Int8Layout,
+    QuantizableModel,
+    has_int8_path,
+)
 from tidepool.quantization.chains import link_handoffs
 from tidepool.quantization.int8_linear import (
     Int8Linear,
@@ -54,62 +64,27 @@ logger = logging.getLogger("tidepool")
 
 QUANTIZATION_METHODS = ("int8",)
 
-INT8_ARCHITECTURES = frozenset(
-    {
-        "BertModel",
-        "RobertaModel",
-        "XLMRobertaModel",
-        "BertForSequenceClassification",
-        "RobertaForSequenceClassification",
-        "XLMRobertaForSequenceClassification",
-        "MPNetModel",
-        "MPNetForSequenceClassification",
-        "DebertaV2Model",
-        "DebertaV2ForSequenceClassification",
-        "T5EncoderModel",
-        "MT5EncoderModel",
-    }
-)
-"""Native encoders whose linear layers are all tidepool `Linear`s (embedders, cross-encoders)."""
-
 SMOOTHING_ALPHA = 0.5
 """SmoothQuant's migration strength. all-MiniLM-L6-v2, 400 corpus texts (cos min / mean to
 float32): no smoothing 0.9918 / 0.9955; calibrated on CALIBRATION_TEXTS + random ids, alpha 0.5:
 0.9960 / 0.9980, alpha 0.7: 0.9943 / 0.9981 (on the texts alone 0.7 fell to 0.977: the more
 weight it moves, the more a small sample's maxima matter)."""
 
-SMOOTHED_LINEARS = ("qkv", "intermediate.dense")
-"""The linears whose input is a LayerNorm output (outlier channels) get smoothed; the others
-(attention output, FFN down) take their input as it is: all-MiniLM-L6-v2, 400 texts, smoothing
+SMOOTHED_ROLES = (QKV, FFN_UP)
+"""The roles (models/quantizable.py) whose input is a LayerNorm output (outlier channels) get
+smoothed; the others (attention output, FFN down) take their input as it is: all-MiniLM-L6-v2, 400 texts, smoothing
 every linear 0.9945 / 0.9979 (cos min / mean), only these 0.9961 / 0.9980, one pass less each
 for the other two."""
 
-FFN_DOWN = r"layer\.\d+\.output\.dense"
-"""BERT-family FFN down as a `matches_linears` pattern ("output.dense" alone also matches the
-attention output)."""
-
-TWO_PART_LINEARS: tuple[str, ...] = (
-    "qkv",
-    "intermediate.dense",
-    FFN_DOWN,
-    r"\.wi(_[01])?",
-    r"\.wo",
-)
-"""The linears whose weights are two-part int8 (W ≈ s·(hi + lo/254), two int8 GEMMs: ~15-bit
-weights): every linear but the attention output (BERT family: QKV, FFN up, FFN down; T5: qkv,
-wi / wi_0 / wi_1, wo), 92% of MiniLM's linear FLOPs; the choice against the other subsets, by
+TWO_PART_ROLES = (QKV, FFN_UP, FFN_DOWN)
+"""The roles (models/quantizable.py) whose weights are two-part int8 (W ≈ s·(hi + lo/254), two
+int8 GEMMs: ~15-bit weights): every linear but the attention output (and DeBERTa's position /
+embedding projections), 92% of MiniLM's linear FLOPs; the choice against the other subsets, by
 top-10 overlap on the corpus: docs/performance.md, "int8", round three."""
 
 TWO_PART_ALPHA = 0.8
 """SmoothQuant's alpha on the smoothed two-part linears (QKV, FFN up): two-part weights take the
 inputs' outliers at no loss (alpha against 0.5 and 1.0: docs/performance.md, "int8")."""
-
-
-def matches_linears(name: str, patterns: tuple[str, ...]) -> bool:
-    """A linear's module name ends with one of `patterns`, each a regex matched at the end of
-    the name: a plain suffix ("qkv", "intermediate.dense") or e.g. FFN_DOWN (BERT's FFN down,
-    "encoder.layer.3.output.dense", but not its attention output, "...attention.output.dense")."""
-    return any(re.search(f"(?:{p})$", name) for p in patterns)
 
 
 MIN_LOAD_COSINE = 0.99
@@ -167,18 +142,26 @@ class QuantizationCheck:
         return self.min_cosine >= MIN_LOAD_COSINE
 
 
-def check_quantization(quantization: str | None, architecture: str, model_impl: str) -> None:
-    """ValueError for a method tidepool does not have or a model without the path."""
+def check_quantization(
+    quantization: str | None,
+    architecture: str,
+    model_impl: str,
+    model_cls: type | None,
+    with_path: Callable[[], list[str]],
+) -> None:
+    """ValueError for a method tidepool does not have or a model without the path: the native
+    model classes that declare an int8 layout (models/quantizable.py) have it; `with_path`
+    lists their architectures (for the message)."""
     if quantization is None:
         return
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(
             f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATION_METHODS)}"
         )
-    if model_impl != "native" or architecture not in INT8_ARCHITECTURES:
+    if model_impl != "native" or model_cls is None or not has_int8_path(model_cls):
         raise ValueError(
             f"quantization={quantization!r} has no path for {architecture} ({model_impl}); it "
-            f"runs on the native encoders: {', '.join(sorted(INT8_ARCHITECTURES))}"
+            f"runs on the native encoders: {', '.join(sorted(with_path()))}"
         )
 
 
@@ -250,18 +233,18 @@ class Int8Recipe:
     clip_search: bool = False
     """Choose each channel's scale by an importance-weighted clipping search (GPTQ only)."""
     smoothing_alpha: float = SMOOTHING_ALPHA
-    """SmoothQuant's migration strength for `smoothed_linears`."""
-    smoothed_linears: tuple[str, ...] = SMOOTHED_LINEARS
-    """The linears whose inputs are smoothed (name suffixes, `matches_linears`)."""
-    two_part_linears: tuple[str, ...] = TWO_PART_LINEARS
-    """The linears with two-part int8 weights (name suffixes, `matches_linears`; the smoothed
-    weight where smoothing applies too)."""
+    """SmoothQuant's migration strength for `smoothed_roles`."""
+    smoothed_roles: tuple[str, ...] = SMOOTHED_ROLES
+    """The roles (the model's `int8_layout`) whose inputs are smoothed."""
+    two_part_roles: tuple[str, ...] = TWO_PART_ROLES
+    """The roles with two-part int8 weights (the smoothed weight where smoothing applies too)."""
     two_part_alpha: float | None = TWO_PART_ALPHA
     """SmoothQuant's alpha on the smoothed two-part linears (None: `smoothing_alpha`): their
     weights are fine enough to take more of the inputs' outliers."""
     two_part: str = "auto"
-    """Whether `two_part_linears` get two-part weights: "auto" (only when one-part weights
-    everywhere leave the load check's error above MAX_ONE_PART_ERROR), "always" or "never"."""
+    """Whether `two_part_roles` get two-part weights: "auto" (only when one-part weights
+    everywhere leave the load check's error above MAX_ONE_PART_ERROR), "always" or "never";
+    TIDEPOOL_INT8_TWO_PART, where set, replaces it in whatever recipe is in use."""
     two_part_hi: str = "nearest"
     """A two-part weight's high part: "nearest" (no GPTQ: lo holds the rest to 1/508 of a step)
     or "gptq" (GPTQ's, lo holding what is left of its error, clamped to ±1/2 step)."""
@@ -272,7 +255,8 @@ class Int8Recipe:
 
 
 DEFAULT_RECIPE = Int8Recipe()
-"""Two-part weights on QKV, FFN up and FFN down (smoothed at alpha 0.8 where smoothed), GPTQ
+"""The recipe a model gets unless its `int8_layout` changes some fields (`recipe_for`):
+two-part weights on QKV, FFN up and FFN down (smoothed at alpha 0.8 where smoothed), GPTQ
 (damping 0.3) on the attention output, smoothing on QKV / FFN up, every input asymmetric:
 all-MiniLM-L6-v2, 1,000 corpus texts, cos min / mean 0.99919 / 0.99968, top-10 overlap 0.955 /
 0.958 on two text sets (simulated asymmetric inputs; on today's kernels as two Int8Linears per
@@ -281,6 +265,20 @@ round to nearest with symmetric inputs: 0.99801, 0.907): docs/performance.md, "i
 clipping search, noise-aware GPTQ, more
 random-id calibration, smoothing all four linears, alpha 0.65 on one-part weights, two-part
 inputs on the attention output measured no better."""
+
+
+def recipe_for(model: nn.Module, base: Int8Recipe = DEFAULT_RECIPE) -> Int8Recipe:
+    """`base` with the model's own changes (its layout's `recipe`); ValueError naming a field
+    `Int8Recipe` does not have."""
+    changes = dict(int8_layout_of(model).recipe)
+    unknown = sorted(set(changes) - {f.name for f in fields(Int8Recipe)})
+    if unknown:
+        raise ValueError(
+            f"{type(model).__name__}'s int8 recipe names {', '.join(unknown)}, which "
+            "Int8Recipe does not have"
+        )
+    return replace(base, **changes)
+
 
 ONE_SIDED_RATIO = 0.25
 """An input whose most negative value is above -this · its largest is "one-sided"."""
@@ -324,19 +322,22 @@ def build_int8_linear(linear: Linear, plan: Int8LinearPlan) -> nn.Module:
 def quantize_model(
     model: nn.Module,
     sequences: list[torch.Tensor],
-    recipe: Int8Recipe = DEFAULT_RECIPE,
+    recipe: Int8Recipe,
     build: Int8Builder = build_int8_linear,
 ) -> QuantizationCheck:
-    """Swap the loaded float32 model's `Linear`s for int8 ones (`build` of each linear's plan)
-    in place, calibrated on the even `sequences` and checked on the odd ones, unless the check
-    fails (then the float32 layers stay, with a warning). Returns the check's figures."""
+    """Swap the loaded float32 model's `Linear`s for int8 ones (`build` of each linear's plan,
+    by its role in the model's `int8_layout`) in place, calibrated on the even `sequences` and
+    checked on the odd ones, unless the check fails (then the float32 layers stay, with a
+    warning). `recipe`: the loader's is `recipe_for(model)`. Returns the check's figures."""
+    layout = int8_layout_of(model)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     calibration, held_out = sequences[0::2], sequences[1::2]
     reference = _mean_pooled(model, held_out)
-    if recipe is DEFAULT_RECIPE:
-        recipe = replace(recipe, two_part=envs.int8_two_part())
+    two_part = envs.int8_two_part()
+    if two_part is not None:
+        recipe = replace(recipe, two_part=two_part)
     for attempt in _attempts(recipe):
-        plans = _calibrate(model, linears, calibration, attempt)
+        plans = _calibrate(model, linears, layout.roles, calibration, attempt)
         for name, linear in linears.items():
             _set_submodule(model, name, build(linear, plans[name]))
         cos = torch.nn.functional.cosine_similarity(_mean_pooled(model, held_out), reference)
@@ -346,7 +347,7 @@ def quantize_model(
         for name, linear in linears.items():  # calibrate the two-part plans on float32
             _set_submodule(model, name, linear)
     if check.passed:
-        link_handoffs(model)
+        link_handoffs(model, layout)
     else:
         for name, linear in linears.items():
             _set_submodule(model, name, linear)
@@ -359,14 +360,30 @@ def quantize_model(
     return check
 
 
+def int8_layout_of(model: nn.Module) -> Int8Layout:
+    """The model's declared layout; ValueError for a model without one, or whose table leaves
+    out one of its `Linear`s (each needs a role: nothing is guessed from names)."""
+    if not isinstance(model, QuantizableModel):
+        raise ValueError(f"{type(model).__name__} declares no int8 layout (models/quantizable.py)")
+    layout = model.int8_layout()
+    missing = [
+        n for n, m in model.named_modules() if isinstance(m, Linear) and n not in layout.roles
+    ]
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__}.int8_layout() gives no role to {', '.join(missing)}"
+        )
+    return layout
+
+
 def _attempts(recipe: Int8Recipe) -> list[Int8Recipe]:
     """The recipes `quantize_model` tries in turn: with two_part "auto", one-part weights first
     (still "auto": the check decides), then the two-part plan ("always")."""
-    if recipe.two_part == "never" or not recipe.two_part_linears:
-        return [replace(recipe, two_part_linears=(), two_part="never")]
+    if recipe.two_part == "never" or not recipe.two_part_roles:
+        return [replace(recipe, two_part_roles=(), two_part="never")]
     if recipe.two_part == "always":
         return [recipe]
-    return [replace(recipe, two_part_linears=()), replace(recipe, two_part="always")]
+    return [replace(recipe, two_part_roles=()), replace(recipe, two_part="always")]
 
 
 def _forward(model: nn.Module, sequences: list[torch.Tensor]) -> torch.Tensor:
@@ -390,6 +407,7 @@ def _mean_pooled(model: nn.Module, sequences: list[torch.Tensor]) -> torch.Tenso
 def _calibrate(
     model: nn.Module,
     linears: dict[str, Linear],
+    roles: Mapping[str, str],
     sequences: list[torch.Tensor],
     recipe: Int8Recipe,
 ) -> dict[str, Int8LinearPlan]:
@@ -400,8 +418,8 @@ def _calibrate(
     def record(name: str):
         def hook(module: nn.Module, args: tuple) -> None:
             x = args[0].detach().reshape(-1, args[0].shape[-1])
-            smoothed = matches_linears(name, recipe.smoothed_linears)
-            two_part = matches_linears(name, recipe.two_part_linears)
+            smoothed = roles[name] in recipe.smoothed_roles
+            two_part = roles[name] in recipe.two_part_roles
             plans[name] = plan_linear(module, x, recipe, smoothed, two_part)
 
         return hook

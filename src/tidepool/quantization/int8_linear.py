@@ -373,7 +373,7 @@ class Int8Linear(nn.Module):
     def use_scratch(self, scratch: Scratch) -> None:
         """Write outputs into `scratch` (shared with layers of the same role) instead of a fresh
         tensor: for a layer whose output is dead before the next layer of its role runs (a
-        BERT layer's QKV, FFN up, and the residual stream but the last layer's: int8_chains.py).
+        BERT layer's QKV, FFN up, and the residual stream but the last layer's: quantization/chains.py).
         A fresh 50 MB tensor costs 7x its write in page faults."""
         self.__dict__["_scratch"] = scratch
 

@@ -5,8 +5,8 @@ a row while it sits in L1.
 
 Why: the same work as torch ops took ~63% of an int8 pass (three to four passes over each
 input to quantize it, two to three over each output; profile in docs/performance.md, "int8"),
-several times the GEMM itself. Built on first use like the attention kernels (named by the
-source's hash, cached under TORCH_EXTENSIONS_DIR), for AVX-512 or AVX2 + FMA (BUILD_ISAS, one
+several times the GEMM itself. Loaded like the attention kernels (kernels/build.py: the
+installed build of these sources, else built on first use), for AVX-512 or AVX2 + FMA (BUILD_ISAS, one
 source: csrc/cpu_simd.h; chosen once by kernels/cpu_features.py, capped by TIDEPOOL_CPU_ISA);
 where the build fails or the CPU has neither, `load()` says why once and returns None, and
 `Int8Linear` keeps its torch ops. The AMX GEMM (load_amx) needs the "amx" level.
@@ -17,16 +17,13 @@ code), =native makes a failure an error.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import torch
 
-from tidepool.attention import cpu_kernels
-from tidepool.kernels import cpu_features
+from tidepool.kernels import cpu_features, specs
+from tidepool.kernels.build import build_or_fall_back, load_build
 
-_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_int8_ops.cpp"
-_NAMESPACE = "tidepool_int8"
-BUILD_ISAS = ("avx512", "avx2")
+BUILD_ISAS = specs.BUILD_ISAS
 """The ISA levels the quantizer / epilogue kernels are built for, best first."""
 ACTIVATION_CODES = {None: 0, "gelu": 1, "relu": 2}
 """The activations the epilogue applies itself (the kernel's codes); others run as torch ops."""
@@ -36,9 +33,9 @@ _state: dict[str, object] = {}
 
 
 def _compile(isa: str) -> object:
-    flags = cpu_kernels.isa_cflags(isa, _NAMESPACE)
-    cpu_kernels.build_extension(_SOURCE, f"tidepool_int8_ops_{isa}", flags)
-    return getattr(torch.ops, cpu_kernels.namespace(_NAMESPACE, isa))
+    build = specs.INT8_OPS[isa]
+    load_build(build)
+    return getattr(torch.ops, build.namespace)
 
 
 def chosen_isa() -> str | None:
@@ -58,8 +55,8 @@ def load(isa: str | None = None) -> object | None:
     if isa not in _state:
         with _lock:
             if isa not in _state:
-                _state[isa] = cpu_kernels.build_or_fall_back(
-                    _compile, _SOURCE.name, "tidepool's int8 CPU kernels", "torch ops", isa
+                _state[isa] = build_or_fall_back(
+                    _compile, "cpu_int8_ops.cpp", "tidepool's int8 CPU kernels", "torch ops", isa
                 )
     return _state[isa]
 
@@ -77,12 +74,8 @@ def quantize_rows(
     return q, scale, scaled_zero
 
 
-_AMX_SOURCE = _SOURCE.parent / "cpu_int8_gemm.cpp"
-_AMX_CFLAGS = [*cpu_kernels.AVX512_CFLAGS, "-mamx-tile", "-mamx-int8"]
-
-
 def _compile_amx(isa: str) -> object:
-    cpu_kernels.build_extension(_AMX_SOURCE, "tidepool_int8_gemm", _AMX_CFLAGS)
+    load_build(specs.INT8_AMX_GEMM)
     ops = torch.ops.tidepool_int8_amx
     return ops if ops.available() else None
 
@@ -97,8 +90,8 @@ def load_amx() -> object | None:
             if "amx_gemm" not in _state:
                 ops = None
                 if epilogues is not None and cpu_features.usable("amx"):
-                    ops = cpu_kernels.build_or_fall_back(
-                        _compile_amx, _AMX_SOURCE.name, "tidepool's AMX int8 GEMM",
+                    ops = build_or_fall_back(
+                        _compile_amx, specs.INT8_AMX_GEMM.source, "tidepool's AMX int8 GEMM",
                         "oneDNN's int8 GEMM", "amx",
                     )  # fmt: skip
                 _state["amx_gemm"] = ops
@@ -113,22 +106,15 @@ def pack_weight(weight_q: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 64, 16, 64).contiguous()
 
 
-_VNNI_SOURCE = _SOURCE.parent / "cpu_int8_vnni.cpp"
-_VNNI_NAMESPACE = "tidepool_int8_vnni"
-VNNI_ISAS = ("avx512_vnni", "avx2_vnni")
+VNNI_ISAS = tuple(specs.INT8_VNNI_GEMM)
 """The VNNI GEMM's builds (csrc/cpu_int8_vnni.cpp), best first: AVX-512 VNNI (vpdpbusd on
 zmm) and the 256-bit AVX-VNNI of client CPUs; one source, the ISA a compile parameter."""
-_VNNI_CFLAGS = {
-    "avx512_vnni": [*cpu_kernels.ISA_CFLAGS["avx512"], "-mavx512vnni"],
-    "avx2_vnni": [*cpu_kernels.ISA_CFLAGS["avx2"], "-mavxvnni"],
-}
 
 
 def _compile_vnni(isa: str) -> object:
-    name = f"{_VNNI_NAMESPACE}_{isa}"
-    flags = [*cpu_kernels.BASE_CFLAGS, *_VNNI_CFLAGS[isa], f"-DTP_NS={name}"]
-    cpu_kernels.build_extension(_VNNI_SOURCE, name, flags)
-    return getattr(torch.ops, name)
+    build = specs.INT8_VNNI_GEMM[isa]
+    load_build(build)
+    return getattr(torch.ops, build.namespace)
 
 
 def vnni_isa() -> str | None:
@@ -152,8 +138,8 @@ def load_vnni(isa: str | None = None) -> object | None:
             if key not in _state:
                 ops = None
                 if epilogues is not None and isa is not None:
-                    ops = cpu_kernels.build_or_fall_back(
-                        _compile_vnni, _VNNI_SOURCE.name, f"tidepool's VNNI int8 GEMM ({isa})",
+                    ops = build_or_fall_back(
+                        _compile_vnni, specs.INT8_VNNI_GEMM[isa].source, f"tidepool's VNNI int8 GEMM ({isa})",
                         "oneDNN's int8 GEMM", isa,
                     )  # fmt: skip
                 _state[key] = ops

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The peer engines' own venvs for benchmarks/peers.py, each apart from the project's venv so their
+# The peer engines' own venvs for benchmarks/peers/peers.py, each apart from the project's venv so their
 # pins (OpenVINO / ONNX Runtime / optimum, vLLM's own torch) never touch it. Idempotent: a step
 # whose result is already there says "ok" and does nothing. One line of output per step; the pip
 # logs go to $LOG_DIR.
 #
-#   bash benchmarks/peer_venvs.sh [ov] [vllm]        (both by default)
+#   bash benchmarks/peers/peer_venvs.sh [ov] [vllm]        (both by default)
 #
 #   /work/venv-ov    torch 2.13.0 (CPU wheel, pinned for every install) + sentence-transformers
 #                    with its OpenVINO (optimum-intel, openvino, nncf) and ONNX (optimum-onnx,

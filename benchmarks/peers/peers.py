@@ -33,10 +33,10 @@ Exports are made offline on first use and cached under --model-dir/exports (peer
 Every engine runs in a worker process (peer_worker.py) under its own venv's python: tidepool and
 sentence-transformers under this python (or --python), the exported backends under --ov-python
 (/work/venv-ov), vLLM under --vllm-python (/work/venv-vllm) with its CPU environment; both venvs
-come from benchmarks/peer_venvs.sh. Each worker loads and warms up once, then the driver asks each
+come from benchmarks/peers/peer_venvs.sh. Each worker loads and warms up once, then the driver asks each
 in turn (A B C, B C A, ...) to time one pass over all inputs; figures are medians over rounds.
 
-    python benchmarks/peers.py [--texts 4000] [--rounds 3] [--dtypes float32,bfloat16]
+    python benchmarks/peers/peers.py [--texts 4000] [--rounds 3] [--dtypes float32,bfloat16]
         [--sections embed,latency,cross,base,decoder] [--peers st-openvino,st-openvino-int8,...]
         [--vllm-python /work/venv-vllm/bin/python] [--ov-python /work/venv-ov/bin/python]
 """
@@ -60,6 +60,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # the single-purpose scripts' corpus.py and roofline.py
 
 from corpus import make_corpus  # noqa: E402
 from peer_models import (  # noqa: E402
