@@ -200,9 +200,16 @@ LEFTOVERS = (
 OUTPUT.parts/). OUTPUT.lock is the running job's lock (jobs/manifest.py), never removed here."""
 
 
+MANIFEST_FILES = (".manifest.json", ".manifest.json.tmp")
+"""The manifest and its half-written temporary file: LEFTOVERS that hold no rows."""
+
+
 def has_output(path: Path) -> bool:
-    """Whether anything of a job's output is on disk (rows, progress, parts, errors)."""
-    return any(sibling(path, s).exists() for s in LEFTOVERS) or sibling(path, ".parts").exists()
+    """Whether anything of a job's output is on disk (rows, progress, parts, errors). The
+    manifest's own files are not output: a job killed while writing its manifest leaves only
+    OUTPUT.manifest.json.tmp, and the rerun starts afresh rather than refusing the output."""
+    rows = [s for s in LEFTOVERS if s not in MANIFEST_FILES]
+    return any(sibling(path, s).exists() for s in rows) or sibling(path, ".parts").exists()
 
 
 def remove_output(path: Path) -> None:
