@@ -19,6 +19,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from setuptools import setup
@@ -38,6 +39,9 @@ def _specs():
 
 def _find_target_torch() -> bool:
     """Make the target environment's torch importable here; False where it has none."""
+    # Under pip's build isolation numpy is not importable here; the build does not need it, and
+    # torch's warning about it would be printed by pip once per build hook.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
         import torch  # noqa: F401
 
