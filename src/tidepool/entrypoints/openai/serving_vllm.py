@@ -174,12 +174,17 @@ def bytes_response(
     return Response(b"".join(chunks), media_type="application/octet-stream", headers=headers)
 
 
-def _token_limit(req: Any, name: str, max_model_len: int) -> int:
+def _token_limit(req: Any, name: str, max_model_len: int, *, cap: bool = False) -> int:
     """vLLM's check of max_tokens_per_query / max_tokens_per_doc: 0 = no cut, else 1 to
-    max_model_len - 1."""
+    max_model_len - 1. With `cap` (max_tokens_per_doc), a limit of max_model_len or more is
+    no cut instead of vLLM's 400: Cohere's rerank API (same field, /v2/rerank) documents it as a
+    cap with a default of 4096, which its clients send whatever the model's length
+    (docs/coming_from_vllm.md lists this as deliberately more permissive)."""
     value = getattr(req, name)
     if value < 0:
         raise ApiError(400, f"{name} must be a non-negative integer, got {value}", name)
+    if cap and value >= max_model_len:
+        return 0
     if value >= max_model_len:
         message = f"{name} ({value}) must be less than max_model_len ({max_model_len})."
         raise ApiError(400, message, name)
@@ -215,7 +220,7 @@ async def cut_pairs(serving: Any, req: Any, pairs: list[tuple[str, str]]) -> lis
             )
     max_model_len = serving.model_config.max_model_len
     max_query = _token_limit(req, "max_tokens_per_query", max_model_len)
-    max_doc = _token_limit(req, "max_tokens_per_doc", max_model_len)
+    max_doc = _token_limit(req, "max_tokens_per_doc", max_model_len, cap=True)
     if not max_query and not max_doc:
         return pairs
     tokenizer = serving.engine.tokenizer
