@@ -17,7 +17,7 @@
 // for other shapes and for CPUs without AMX-INT8.
 
 #include "cpu_amx.h"
-#include "cpu_int8_common.h"
+#include "cpu_int8_fused.h"
 
 #include <cpuid.h>
 
@@ -27,7 +27,6 @@ namespace {
 
 constexpr int64_t kStrip = 32;               // rows per tile block (two 16-row A tiles)
 constexpr int64_t kBlockCols = 32;           // columns per tile block (two 16-column B tiles)
-constexpr int64_t kGroupBytes = 1536 << 10;  // a row group's float32 rows, mostly in L2
 constexpr float kLoFactor = 1.f / 254.f;     // W_lo's weight relative to W_hi
 
 // The CPU has AMX-TILE and AMX-INT8 and the kernel lets this process use the tile data.
@@ -103,24 +102,6 @@ inline void block_32x16_two_part(const uint8_t* a, int64_t lda, const int8_t* hi
   _tile_stored(3, c_lo + 16 * 32, 128);
 }
 
-// What one call computes (pointers into the op's tensors).
-struct Gemm {
-  const uint8_t* q;  // [T, K] (int8 bits when !asym)
-  const int8_t* w;
-  const int8_t* w_lo;  // null: one-part weights
-  const float* w_scale;
-  int64_t T, K, N;
-  bool asym;
-  Epilogue e;
-  Handoff h;
-  const float* gamma;  // null: no LayerNorm
-  const float* beta;
-  double eps;
-  float* out;      // [T, N]
-  bool write_out;  // false: only the handoff is needed (the rows go to a per-thread buffer)
-  Epilogue core;   // e without the multiply / residual (the fused path's tile phase)
-};
-
 // Rows [r0, r0 + rows) x columns [n0, n0 + 32) from the int32 sums c (and c_lo), into dst
 // (row stride N, row r0 at dst).
 void finish_block(const Gemm& g, const Epilogue& e, const int32_t* c, const int32_t* c_lo,
@@ -135,62 +116,6 @@ void finish_block(const Gemm& g, const Epilogue& e, const int32_t* c, const int3
                               lo_factor, acc);
       const __m512 y = _mm512_mul_ps(acc, _mm512_loadu_ps(g.w_scale + n));
       _mm512_storeu_ps(dst + i * g.N + n, epilogue_value(e, y, r0 + i, n, 0xFFFF));
-    }
-  }
-}
-
-// LayerNorm of one row in place in two passes (the sum and sum of squares together, then the
-// normalisation), returning the normalised row's range after `sm` (the handoff's smoothing):
-// the handoff then needs one more pass, not two. E[v²] - mean² in float32 over 16 lanes is
-// exact enough for LayerNorm inputs (|mean| well below the spread; tests compare with torch).
-std::pair<float, float> layer_norm_row_range(float* row, int64_t N, const float* g,
-                                             const float* b, double eps, const float* sm) {
-  __m512 s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps();
-  for (int64_t n = 0; n < N; n += 16) {
-    const __m512 v = _mm512_loadu_ps(row + n);
-    s1 = _mm512_add_ps(s1, v);
-    s2 = _mm512_fmadd_ps(v, v, s2);
-  }
-  const float mean = _mm512_reduce_add_ps(s1) / static_cast<float>(N);
-  const float var = std::max(_mm512_reduce_add_ps(s2) / static_cast<float>(N) - mean * mean, 0.f);
-  const __m512 mu = _mm512_set1_ps(mean);
-  const __m512 rstd = _mm512_set1_ps(1.f / std::sqrt(var + static_cast<float>(eps)));
-  __m512 lo = _mm512_set1_ps(std::numeric_limits<float>::infinity());
-  __m512 hi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t n = 0; n < N; n += 16) {
-    const __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + n), mu), rstd);
-    const __m512 v = _mm512_fmadd_ps(d, _mm512_loadu_ps(g + n), _mm512_loadu_ps(b + n));
-    _mm512_storeu_ps(row + n, v);
-    const __m512 vs = sm == nullptr ? v : _mm512_mul_ps(v, _mm512_loadu_ps(sm + n));
-    lo = _mm512_min_ps(lo, vs);
-    hi = _mm512_max_ps(hi, vs);
-  }
-  return {_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi)};
-}
-
-// The row pass of rows [r0, r1) of a finished block range in src (row r0 at src): multiply /
-// residual when `sides` (read sequentially, row by row, not in 128-byte pieces of 32 rows),
-// LayerNorm, the handoff, and the row written to out when it is wanted (else it stays in src).
-void finish_rows(const Gemm& g, int64_t r0, int64_t r1, float* src, bool sides) {
-  const Epilogue& e = g.e;
-  for (int64_t t = r0; t < r1; ++t) {
-    float* row = src + (t - r0) * g.N;
-    float* dst = g.write_out ? g.out + t * g.N : row;
-    if (dst != row || (sides && (e.multiply != nullptr || e.residual != nullptr))) {
-      for (int64_t n = 0; n < g.N; n += 16) {
-        __m512 v = _mm512_loadu_ps(row + n);
-        if (sides && e.multiply != nullptr)
-          v = _mm512_mul_ps(v, _mm512_loadu_ps(e.multiply + t * e.multiply_row + n));
-        if (sides && e.residual != nullptr)
-          v = _mm512_add_ps(v, _mm512_loadu_ps(e.residual + t * e.residual_row + n));
-        _mm512_storeu_ps(dst + n, v);
-      }
-    }
-    if (g.gamma != nullptr) {
-      const auto [mn, mx] = layer_norm_row_range(dst, g.N, g.gamma, g.beta, g.eps, g.h.smoothing);
-      g.h.row_given(dst, t, g.N, mn, mx);
-    } else {
-      g.h.row(dst, t, g.N);
     }
   }
 }
@@ -231,51 +156,20 @@ void run_blocks(const Gemm& g, const Epilogue& e, int64_t r0, int64_t r1, int64_
   }
 }
 
-inline int64_t group_rows(int64_t N) {
-  return std::clamp<int64_t>(kGroupBytes / (4 * N) / kStrip * kStrip, kStrip, 4 * kStrip);
-}
-
-// Enough row groups for every thread: each task does whole groups, blocks into a per-thread
-// L2-resident buffer, then rows from it to out (the only writes to memory: row by row).
+// The AMX blocks as the shared row-group / column-split drivers (cpu_int8_fused.h) run them.
 template <bool kUnsigned>
-void run_fused(const Gemm& g) {
-  const int64_t G = group_rows(g.N), groups = (g.T + G - 1) / G;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    load_tile_config();
-    thread_local std::vector<float> rows;
-    if (rows.size() < static_cast<size_t>(G * g.N)) rows.resize(G * g.N);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r0 = i * G, r1 = std::min(g.T, r0 + G);
-      run_blocks<kUnsigned>(g, g.core, r0, r1, 0, g.N, rows.data());
-      finish_rows(g, r0, r1, rows.data(), true);
-    }
-    _tile_release();
-  });
-}
-
-// Few rows (one short text): the blocks split by columns too, then the row pass; out is written.
-template <bool kUnsigned>
-void run_split(const Gemm& g) {
-  const int64_t strips = (g.T + kStrip - 1) / kStrip, col_blocks = g.N / kBlockCols;
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = std::min<int64_t>(col_blocks, std::max<int64_t>(1, 2 * threads / strips));
-  at::parallel_for(0, strips * parts, 1, [&](int64_t begin, int64_t end) {
-    load_tile_config();
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / parts, p = i % parts;
-      const int64_t r0 = s * kStrip, r1 = std::min(g.T, r0 + kStrip);
-      const int64_t n0 = col_blocks * p / parts * kBlockCols;
-      const int64_t n1 = col_blocks * (p + 1) / parts * kBlockCols;
-      run_blocks<kUnsigned>(g, g.e, r0, r1, n0, n1, g.out + r0 * g.N);
-    }
-    _tile_release();
-  });
-  if (g.gamma != nullptr || g.h.q != nullptr) {
-    at::parallel_for(0, g.T, kGrain, [&](int64_t begin, int64_t end) {
-      finish_rows(g, begin, end, g.out + begin * g.N, false);
-    });
+struct AmxKernel {
+  static constexpr int64_t kRows = kStrip;
+  static constexpr int64_t kBlockCols = ::kBlockCols;
+  static constexpr int64_t kGroupBytes = 1536 << 10;  // a row group's float32 rows, mostly in L2
+  static constexpr int64_t kMaxGroupBlocks = 4;
+  static void enter() { load_tile_config(); }
+  static void leave() { _tile_release(); }
+  static void blocks(const Gemm& g, const Epilogue& e, int64_t r0, int64_t r1, int64_t n0,
+                     int64_t n1, float* dst) {
+    run_blocks<kUnsigned>(g, e, r0, r1, n0, n1, dst);
   }
-}
+};
 
 void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* what) {
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && w.dim() == 4 &&
@@ -295,39 +189,15 @@ void amx_linear(const at::Tensor& q, const at::Tensor& w, const c10::optional<at
                 const c10::optional<at::Tensor>& q_scaled_zero, at::Tensor& out,
                 bool write_out) {
   TORCH_CHECK(amx_ready(), "this CPU (or kernel) does not allow AMX-INT8");
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() &&
-                  (q.scalar_type() == at::kByte || q.scalar_type() == at::kChar),
-              "q: contiguous int8 / uint8 [T, K]");
-  const int64_t T = q.size(0), K = q.size(1), N = out.size(1);
+  check_input(q, out);
+  const int64_t K = q.size(1), N = out.size(1);
   TORCH_CHECK(K % 64 == 0 && N % kBlockCols == 0, "K % 64 == 0 and N % 32 == 0");
-  TORCH_CHECK(out.size(0) == T, "out: [T, N]");
   check_packed(w, N, K, "w");
   if (w_lo.has_value()) check_packed(*w_lo, N, K, "w_lo");
-  Gemm g{};
-  g.q = static_cast<const uint8_t*>(q.data_ptr());
-  g.w = w.data_ptr<int8_t>();
-  g.w_lo = w_lo.has_value() ? w_lo->data_ptr<int8_t>() : nullptr;
-  g.w_scale = optional_ptr(w_scale, N, "w_scale");
-  g.T = T, g.K = K, g.N = N;
-  g.asym = q.scalar_type() == at::kByte;
-  g.e = make_epilogue(out, scale, scaled_zero, wsum, bias, act, multiply, residual);
-  TORCH_CHECK(g.asym == (g.e.scaled_zero != nullptr), "uint8 inputs come with scaled_zero");
-  g.core = g.e;
-  g.core.multiply = g.core.residual = nullptr;
-  g.h = make_handoff(out, next_smoothing, q_next, q_scale, q_scaled_zero);
-  TORCH_CHECK(gamma.has_value() == beta.has_value(), "gamma and beta come together");
-  g.gamma = optional_ptr(gamma, N, "gamma");
-  g.beta = optional_ptr(beta, N, "beta");
-  g.eps = eps;
-  g.out = out.data_ptr<float>();
-  g.write_out = write_out || g.h.q == nullptr;
-  if (T == 0) return;
-  const bool fused = (T + group_rows(N) - 1) / group_rows(N) >= 2 * at::get_num_threads();
-  if (g.asym) {
-    fused ? run_fused<true>(g) : run_split<true>(g);
-  } else {
-    fused ? run_fused<false>(g) : run_split<false>(g);
-  }
+  const Gemm g = make_gemm(q, w, w_lo, w_scale, scale, scaled_zero, wsum, bias, act, multiply,
+                           residual, gamma, beta, eps, next_smoothing, q_next, q_scale,
+                           q_scaled_zero, out, write_out);
+  g.asym ? run_gemm<AmxKernel<true>>(g) : run_gemm<AmxKernel<false>>(g);
 }
 
 bool amx_int8_available() { return amx_ready(); }

@@ -15,14 +15,15 @@
 // zero-point correction, GELU / ReLU, multiply / residual (cpu_int8_common.h's epilogue_value,
 // the formula of the epilogue kernels and the AMX GEMM). Many rows: each thread takes whole row
 // groups (float32 rows in L2), then the row pass (multiply / residual, LayerNorm, the next
-// layer's quantization) writes each row once; few rows: the blocks are split by columns too.
+// layer's quantization) writes each row once; few rows: the blocks are split by columns too
+// (both drivers, the set-up and the row pass are the AMX kernel's: cpu_int8_fused.h).
 // Two-part weights (W ≈ s·(W_hi + W_lo / 254)) run both products per block.
 //
 // Layout: a packed weight is [N/16][K/4][16][4] int8: for 16 columns and each k-quad, 64 bytes
 // holding 4 consecutive k of each column (the order vpdpbusd reads; the AMX tiles' order too).
 // Needs K % 4 == 0 and N % 16 == 0; Int8Linear keeps oneDNN's GEMM for other shapes.
 
-#include "cpu_int8_common.h"
+#include "cpu_int8_fused.h"
 
 #include <cstring>
 #include <vector>
@@ -48,31 +49,10 @@ TP_INLINE vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
 #endif
 
 constexpr int64_t kBlockCols = kVecs * kW;  // columns per register block
-constexpr int64_t kGroupBytes = 512 << 10;  // a row group's float32 rows, in L2
 // A column panel's packed weights, in L2 while the group's row blocks pass over them: K = 384
 // shapes ran at 0.60x torch._int_mm's GOP/s without panels, 0.73x with (1 thread, CPU time).
 constexpr int64_t kPanelBytes = 256 << 10;
 constexpr float kLoFactor = 1.f / 254.f;    // W_lo's weight relative to W_hi
-
-// What one call computes (pointers into the op's tensors).
-struct Gemm {
-  const uint8_t* q;  // [T, K] (int8 bits when !asym)
-  const int8_t* w;
-  const int8_t* w_lo;       // null: one-part weights
-  const int32_t* comp;      // [N] 128 · Σ_k W_nk (symmetric inputs)
-  const int32_t* comp_lo;   // the same for W_lo
-  const float* w_scale;
-  int64_t T, K, N;
-  bool asym;
-  Epilogue e;
-  Handoff h;
-  const float* gamma;  // null: no LayerNorm
-  const float* beta;
-  double eps;
-  float* out;      // [T, N]
-  bool write_out;  // false: only the handoff is needed (the rows stay in a per-thread buffer)
-  Epilogue core;   // e without the multiply / residual (the row-group path's block phase)
-};
 
 // The int32 sums of kRows rows of a (stride lda, prepared: uint8, padded) against C column
 // vectors starting at column n of the packed weight w, over all K, into c [kRows][kBlockCols].
@@ -186,101 +166,19 @@ void run_blocks(const Gemm& g, const Epilogue& e, int64_t r0, int64_t r1, int64_
   }
 }
 
-// LayerNorm of one row in place (the sum and sum of squares in one pass, then the
-// normalisation), returning the normalised row's range after `sm` (the handoff's smoothing),
-// as the AMX kernel does.
-std::pair<float, float> layer_norm_row_range(float* row, int64_t N, const float* g,
-                                             const float* b, double eps, const float* sm) {
-  vf s1 = vzero(), s2 = vzero();
-  for (int64_t n = 0; n < N; n += kW) {
-    const vf v = vloadu(row + n);
-    s1 = vadd(s1, v);
-    s2 = vfmadd(v, v, s2);
+// The VNNI blocks as the shared row-group / column-split drivers (cpu_int8_fused.h) run them.
+struct VnniKernel {
+  static constexpr int64_t kRows = ::kRows;
+  static constexpr int64_t kBlockCols = ::kBlockCols;
+  static constexpr int64_t kGroupBytes = 512 << 10;  // a row group's float32 rows, in L2
+  static constexpr int64_t kMaxGroupBlocks = 16;
+  static void enter() {}
+  static void leave() {}
+  static void blocks(const Gemm& g, const Epilogue& e, int64_t r0, int64_t r1, int64_t n0,
+                     int64_t n1, float* dst) {
+    run_blocks(g, e, r0, r1, n0, n1, dst);
   }
-  const float mean = vreduce_add(s1) / static_cast<float>(N);
-  const float var = std::max(vreduce_add(s2) / static_cast<float>(N) - mean * mean, 0.f);
-  const vf mu = vset1(mean);
-  const vf rstd = vset1(1.f / std::sqrt(var + static_cast<float>(eps)));
-  vf lo = vset1(std::numeric_limits<float>::infinity());
-  vf hi = vset1(-std::numeric_limits<float>::infinity());
-  for (int64_t n = 0; n < N; n += kW) {
-    const vf d = vmul(vsub(vloadu(row + n), mu), rstd);
-    const vf v = vfmadd(d, vloadu(g + n), vloadu(b + n));
-    vstoreu(row + n, v);
-    const vf vs = sm == nullptr ? v : vmul(v, vloadu(sm + n));
-    lo = vmin(lo, vs);
-    hi = vmax(hi, vs);
-  }
-  return {vreduce_min(lo), vreduce_max(hi)};
-}
-
-// The row pass of rows [r0, r1) (row r0 at src): multiply / residual when `sides`, LayerNorm,
-// the handoff, and the row written to out when it is wanted (else it stays in src).
-void finish_rows(const Gemm& g, int64_t r0, int64_t r1, float* src, bool sides) {
-  const Epilogue& e = g.e;
-  const bool any_side = sides && (e.multiply != nullptr || e.residual != nullptr);
-  for (int64_t t = r0; t < r1; ++t) {
-    float* row = src + (t - r0) * g.N;
-    float* dst = g.write_out ? g.out + t * g.N : row;
-    if (dst != row || any_side) {
-      for (int64_t n = 0; n < g.N; n += kW) {
-        vf v = vloadu(row + n);
-        if (sides && e.multiply != nullptr)
-          v = vmul(v, vloadu(e.multiply + t * e.multiply_row + n));
-        if (sides && e.residual != nullptr)
-          v = vadd(v, vloadu(e.residual + t * e.residual_row + n));
-        vstoreu(dst + n, v);
-      }
-    }
-    if (g.gamma != nullptr) {
-      const auto [mn, mx] = layer_norm_row_range(dst, g.N, g.gamma, g.beta, g.eps, g.h.smoothing);
-      g.h.row_given(dst, t, g.N, mn, mx);
-    } else {
-      g.h.row(dst, t, g.N);
-    }
-  }
-}
-
-inline int64_t group_rows(int64_t N) {
-  return std::clamp<int64_t>(kGroupBytes / (4 * N) / kRows * kRows, kRows, 16 * kRows);
-}
-
-// Many rows: each task does whole row groups, blocks into a per-thread L2-resident buffer, then
-// rows from it to out (the only writes to memory: row by row).
-void run_fused(const Gemm& g) {
-  const int64_t G = group_rows(g.N), groups = (g.T + G - 1) / G;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> rows;
-    if (rows.size() < static_cast<size_t>(G * g.N)) rows.resize(G * g.N);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r0 = i * G, r1 = std::min(g.T, r0 + G);
-      run_blocks(g, g.core, r0, r1, 0, g.N, rows.data());
-      finish_rows(g, r0, r1, rows.data(), true);
-    }
-  });
-}
-
-// Few rows (one short text): the blocks split by columns too, then the row pass; out is written.
-void run_split(const Gemm& g) {
-  const int64_t strips = (g.T + kRows - 1) / kRows;
-  const int64_t col_blocks = (g.N + kBlockCols - 1) / kBlockCols;
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = std::min<int64_t>(col_blocks, std::max<int64_t>(1, 2 * threads / strips));
-  at::parallel_for(0, strips * parts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / parts, p = i % parts;
-      const int64_t r0 = s * kRows, r1 = std::min(g.T, r0 + kRows);
-      const int64_t n0 = col_blocks * p / parts * kBlockCols;
-      const int64_t n1 = std::min(g.N, col_blocks * (p + 1) / parts * kBlockCols);
-      run_blocks(g, g.e, r0, r1, n0, n1, g.out + r0 * g.N);
-    }
-  });
-  if (g.gamma != nullptr || g.h.q != nullptr) {
-    at::parallel_for(0, g.T, kGrain, [&](int64_t begin, int64_t end) {
-      finish_rows(g, begin, end, g.out + begin * g.N, false);
-    });
-  }
-}
+};
 
 void check_packed(const at::Tensor& w, const at::Tensor& comp, int64_t N, int64_t K,
                   const char* what) {
@@ -304,38 +202,18 @@ void vnni_linear(const at::Tensor& q, const at::Tensor& w, const c10::optional<a
                  const c10::optional<at::Tensor>& q_scale,
                  const c10::optional<at::Tensor>& q_scaled_zero, at::Tensor& out,
                  bool write_out) {
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() &&
-                  (q.scalar_type() == at::kByte || q.scalar_type() == at::kChar),
-              "q: contiguous int8 / uint8 [T, K]");
-  const int64_t T = q.size(0), K = q.size(1), N = out.size(1);
+  check_input(q, out);
+  const int64_t K = q.size(1), N = out.size(1);
   TORCH_CHECK(K % 4 == 0 && N % 16 == 0, "K % 4 == 0 and N % 16 == 0");
-  TORCH_CHECK(out.size(0) == T, "out: [T, N]");
   check_packed(w, comp, N, K, "w");
   TORCH_CHECK(w_lo.has_value() == comp_lo.has_value(), "w_lo and comp_lo come together");
   if (w_lo.has_value()) check_packed(*w_lo, *comp_lo, N, K, "w_lo");
-  Gemm g{};
-  g.q = static_cast<const uint8_t*>(q.data_ptr());
-  g.w = w.data_ptr<int8_t>();
-  g.w_lo = w_lo.has_value() ? w_lo->data_ptr<int8_t>() : nullptr;
+  Gemm g = make_gemm(q, w, w_lo, w_scale, scale, scaled_zero, wsum, bias, act, multiply, residual,
+                     gamma, beta, eps, next_smoothing, q_next, q_scale, q_scaled_zero, out,
+                     write_out);
   g.comp = comp.data_ptr<int32_t>();
   g.comp_lo = comp_lo.has_value() ? comp_lo->data_ptr<int32_t>() : nullptr;
-  g.w_scale = optional_ptr(w_scale, N, "w_scale");
-  g.T = T, g.K = K, g.N = N;
-  g.asym = q.scalar_type() == at::kByte;
-  g.e = make_epilogue(out, scale, scaled_zero, wsum, bias, act, multiply, residual);
-  TORCH_CHECK(g.asym == (g.e.scaled_zero != nullptr), "uint8 inputs come with scaled_zero");
-  g.core = g.e;
-  g.core.multiply = g.core.residual = nullptr;
-  g.h = make_handoff(out, next_smoothing, q_next, q_scale, q_scaled_zero);
-  TORCH_CHECK(gamma.has_value() == beta.has_value(), "gamma and beta come together");
-  g.gamma = optional_ptr(gamma, N, "gamma");
-  g.beta = optional_ptr(beta, N, "beta");
-  g.eps = eps;
-  g.out = out.data_ptr<float>();
-  g.write_out = write_out || g.h.q == nullptr;
-  if (T == 0) return;
-  const int64_t G = group_rows(N);
-  ((T + G - 1) / G >= 2 * at::get_num_threads()) ? run_fused(g) : run_split(g);
+  run_gemm<VnniKernel>(g);
 }
 
 }  // namespace
