@@ -7,7 +7,8 @@ pooling, other ops; whatever wall time no op covers is Python and framework over
 The profiler adds a few microseconds per op, so the unprofiled wall time of the same pass is
 printed too.
 
-    python benchmarks/profile_embed.py [--dtype float32|bfloat16] [--texts 1000] [--top 25] [--shapes]
+    python benchmarks/profile_embed.py [--dtype float32|bfloat16] [--quantization int8]
+                                       [--texts 1000] [--top 25] [--shapes]
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
             "aten::matmul",
             "aten::mkldnn_linear",
             "aten::_mkldnn",
+            "onednn::qlinear_pointwise",
+            "tidepool_int8_amx::linear",
+            "tidepool_int8_vnni_avx512_vnni::linear",
+            "tidepool_int8_vnni_avx2_vnni::linear",
+        ),
+    ),
+    (
+        "int8 quantizer / epilogue kernels",
+        (
+            "tidepool_int8::quantize_rows",
+            "tidepool_int8::dequant_",
+            "tidepool_int8::dequant_norm_",
+            "tidepool_int8_avx2::quantize_rows",
+            "tidepool_int8_avx2::dequant_",
+            "tidepool_int8_avx2::dequant_norm_",
         ),
     ),
     (
@@ -148,6 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", default=None, choices=["int8"])
     parser.add_argument("--texts", type=int, default=1000)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -159,7 +176,12 @@ def main() -> None:
     from tidepool import LLM
 
     texts = make_corpus(4000)[: args.texts]
-    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     tokenizer = llm.get_tokenizer()
     max_len = llm.model_config.max_model_len
     enc = tokenizer(texts, truncation=True, max_length=max_len)
@@ -192,7 +214,7 @@ def main() -> None:
     outside = max(profiled - in_ops, 0.0)
 
     print(
-        f"tidepool {args.dtype}: {len(texts)} texts, {num_tokens} tokens, "
+        f"tidepool {args.dtype} {args.quantization or ''}: {len(texts)} texts, {num_tokens} tokens, "
         f"threads={torch.get_num_threads()}\n"
         f"wall without profiler {plain:.2f}s ({num_tokens / plain:,.0f} tokens/s); "
         f"with profiler {profiled:.2f}s; tokenizer alone {tok_s:.2f}s"
