@@ -121,8 +121,10 @@ def profile_decode_steps(llm, num_steps: int, rows: int) -> None:
             state["steps"] += 1
             if state["steps"] == num_steps or not decode_only:
                 state["prof"].__exit__(None, None, None)
-                table = state["prof"].key_averages(group_by_input_shape=True).table(
-                    sort_by="self_cpu_time_total", row_limit=rows
+                table = (
+                    state["prof"]
+                    .key_averages(group_by_input_shape=True)
+                    .table(sort_by="self_cpu_time_total", row_limit=rows)
                 )
                 print(f"{state['steps']} decode steps under torch.profiler:")
                 print(table)
