@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import statistics
 import sys
 import time
@@ -78,6 +79,7 @@ def instrument(llm, timers: Timers) -> None:
 
     def timed_step():
         timers.step = defaultdict(float)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         sched = core.scheduler
         decode_only = (
@@ -87,11 +89,50 @@ def instrument(llm, timers: Timers) -> None:
         )
         out = step()
         timers.step["step"] = time.perf_counter() - start
+        timers.step["page faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         if decode_only:
             timers.steps.append(dict(timers.step))
         return out
 
     engine.step = timed_step
+
+
+def profile_decode_steps(llm, num_steps: int, rows: int) -> None:
+    """torch.profiler over `num_steps` decode-only steps (after the prefill): the ops with the
+    most self CPU time, printed when the run ends."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    sched = engine.core.scheduler
+    step = engine.step
+    state: dict = {"prof": None, "steps": 0}
+
+    def profiled_step():
+        decode_only = (
+            bool(sched.running)
+            and not sched.waiting
+            and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+        )
+        if decode_only and state["prof"] is None and state["steps"] < num_steps:
+            state["prof"] = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            state["prof"].__enter__()
+        out = step()
+        if state["prof"] is not None:
+            state["steps"] += 1
+            if state["steps"] == num_steps or not decode_only:
+                state["prof"].__exit__(None, None, None)
+                table = (
+                    state["prof"]
+                    .key_averages(group_by_input_shape=True)
+                    .table(sort_by="self_cpu_time_total", row_limit=rows)
+                )
+                print(f"{state['steps']} decode steps under torch.profiler:")
+                print(table)
+                state["prof"] = None
+                state["steps"] = num_steps
+        return out
+
+    engine.step = profiled_step
 
 
 def report(timers: Timers) -> None:
@@ -114,7 +155,10 @@ def report(timers: Timers) -> None:
     ]
     accounted = sum(v for name, v in rows if not name.startswith(" "))
     rows.append(("rest (driver, routing)", total - accounted))
-    print(f"decode-only steps: {len(steps)}; median step {total * 1e3:.2f} ms")
+    print(
+        f"decode-only steps: {len(steps)}; median step {total * 1e3:.2f} ms, "
+        f"{med['page faults']:.0f} page faults"
+    )
     for name, value in rows:
         print(f"  {name:<26} {value * 1e3:8.2f} ms  {100 * value / total:5.1f}%")
 
@@ -152,7 +196,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--workload", default="llama", choices=["llama", "gemma2"])
     parser.add_argument("--prefill-profile", action="store_true")
-    parser.add_argument("--rows", type=int, default=25, help="ops printed by --prefill-profile")
+    parser.add_argument("--rows", type=int, default=25, help="ops printed by the profiles")
+    parser.add_argument(
+        "--decode-profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="run STEPS decode-only steps under torch.profiler (the step timers then include it)",
+    )
     args = parser.parse_args()
     if args.workload == "gemma2":  # generate_vs_vllm.py's Gemma-2 prompts
         args.min_prompt, args.max_prompt = max(args.min_prompt, 500), max(args.max_prompt, 1000)
@@ -195,6 +246,8 @@ def main() -> None:
         return
     timers = Timers()
     instrument(llm, timers)
+    if args.decode_profile:
+        profile_decode_steps(llm, args.decode_profile, args.rows)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
