@@ -126,9 +126,30 @@ def decode_image(data: bytes, config: MediaConfig, what: str = "the image") -> A
         if getattr(image, "n_frames", 1) > 1:
             image.seek(0)  # an animated image: its first frame
         image.load()
-        return to_rgb(image)
+        rgb = to_rgb(image)
     except Exception as e:  # truncated or corrupt pixel data
         raise ImageDecodeError(f"{what} could not be decoded ({image.format} image): {e}") from e
+    rgb.info[SOURCE_INFO] = (image.format, image.mode)
+    return rgb
+
+
+SOURCE_INFO = "tidepool.source"
+"""The `info` key of a decoded image: (format, mode) of the encoded image it came from ("PNG",
+"I;16"), as Cohere's response reports them."""
+_BITS = {"1": 1, "I": 32, "F": 32, "I;16": 16, "I;16B": 16, "I;16L": 16, "I;16N": 16}
+
+
+def source_description(image: Any) -> dict[str, Any]:
+    """Width, height, format and bits per channel of a decoded image's source (Cohere's
+    `images` items); an image given as a PIL image describes itself."""
+    fmt, mode = image.info.get(SOURCE_INFO, (image.format, image.mode))
+    width, height = image.size
+    return {
+        "width": width,
+        "height": height,
+        "format": (fmt or "unknown").lower(),
+        "bit_depth": _BITS.get(mode, 8),
+    }
 
 
 def check_bytes(num_bytes: int, config: MediaConfig, what: str) -> None:
