@@ -21,6 +21,7 @@ from typing import Any
 
 from tidepool.config import MediaConfig, ModelConfig
 from tidepool.multimodal.media import is_pil_image, load_image
+from tidepool.multimodal.processing import takes_images as architecture_takes_images
 
 IMAGE_PART_TYPES = ("image_url", "input_image", "image_pil")
 _REFUSED_TYPES = {
@@ -137,8 +138,8 @@ def has_non_text_parts(messages: Any) -> bool:
 
 
 def takes_images(model_config: ModelConfig) -> bool:
-    """The model has a vision tower (its config has a vision_config: CLIP, SigLIP, the VLMs)."""
-    return getattr(model_config.hf_config, "vision_config", None) is not None
+    """The model's architecture has an image prompt processor (multimodal/processing.py)."""
+    return architecture_takes_images(model_config.architecture)
 
 
 def check_takes_images(model_config: ModelConfig, model_name: str, place: str) -> None:
