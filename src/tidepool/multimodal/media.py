@@ -362,7 +362,8 @@ def _get(
         length = response.getheader("Content-Length")
         if length is not None and length.isdigit():
             check_bytes(int(length), config, what)
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         while True:
             if conn.sock is not None:
                 conn.sock.settimeout(_time_left(deadline))
