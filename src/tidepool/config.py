@@ -398,6 +398,37 @@ class CacheConfig:
         return None, GPU_DEFAULT_MEMORY_FRACTION
 
 
+DEFAULT_MAX_IMAGE_BYTES = 32 * 2**20
+"""The largest encoded image read (a file, a download, a data: URL's bytes): 32 MiB, the
+server's default request body limit."""
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+"""The most pixels an image may have (width x height), checked from its header before its
+pixels are decoded: Pillow's own MAX_IMAGE_PIXELS (1024**3 // 4 // 3, a 256 MiB RGBA image)."""
+DEFAULT_IMAGE_FETCH_TIMEOUT_S = 5.0
+"""vLLM's VLLM_IMAGE_FETCH_TIMEOUT default: an http(s) image that takes longer fails."""
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """Where user images may come from and how large they may be (multimodal/media.py reads it;
+    EngineArgs' allowed_local_media_path, allowed_media_domains, allow_remote_media,
+    max_image_bytes, max_image_pixels and env VLLM_IMAGE_FETCH_TIMEOUT build it)."""
+
+    allowed_local_media_path: Path | None = None
+    """Local files (a path or a file:// URL) are read only inside this folder (resolved, so a
+    symlink out of it is outside); None: no local files."""
+    allowed_media_domains: tuple[str, ...] | None = None
+    """http(s) images only from these host names (every redirect hop too); None: see
+    allow_remote_media."""
+    allow_remote_media: bool = False
+    """http(s) images from any host that is not private, loopback or link-local; with neither
+    this nor allowed_media_domains, http(s) images are refused."""
+    fetch_timeout_s: float = DEFAULT_IMAGE_FETCH_TIMEOUT_S
+    """The whole download of one image (connect, headers and body) must end within it."""
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -409,3 +440,5 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads, applied when the engine starts; None: the cores this process may
     run on."""
+    media: MediaConfig = field(default_factory=MediaConfig)
+    """Where user images may come from and their limits (the entry points read it)."""

@@ -186,3 +186,28 @@ def hf_hub_cache() -> str | None:
         return os.path.expanduser(explicit)
     home = os.environ.get("HF_HOME")
     return os.path.join(os.path.expanduser(home), "hub") if home else None
+
+
+# vLLM's media variables (their vLLM names and defaults).
+
+
+def image_fetch_timeout_s() -> float:
+    """VLLM_IMAGE_FETCH_TIMEOUT: seconds an http(s) image's whole download may take (default 5,
+    vLLM's); ValueError for a value that is not a positive number."""
+    value = os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT")
+    if value is None or value.strip() == "":
+        return 5.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"VLLM_IMAGE_FETCH_TIMEOUT={value!r}: give a number of seconds > 0")
+    return seconds
+
+
+def media_url_allow_redirects() -> bool:
+    """VLLM_MEDIA_URL_ALLOW_REDIRECTS: "0" / "false": an image URL that redirects fails; default:
+    redirects are followed (each hop checked like the first URL)."""
+    value = os.environ.get("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "1")
+    return value.strip().lower() not in ("0", "false", "no", "off")

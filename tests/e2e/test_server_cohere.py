@@ -237,7 +237,7 @@ BAD_EMBED_BODIES = [
     ({"texts": ["ok"], "output_dimension": "8"}, 422, "output_dimension"),
     ({"texts": ["ok"], "output_dimension": 0}, 400, "output_dimension must be >= 1"),
     ({"texts": ["ok"], "images": ["data:..."]}, 400, "images"),
-    ({"texts": ["ok"], "input_type": "image"}, 400, "input_type image is not supported"),
+    ({"texts": ["ok"], "input_type": "image"}, 400, "input_type image goes with images"),
     ({"texts": ["ok"], "model": "other"}, 404, "other"),
     ({"texts": ["ok"], "truncate": "NONE", "max_tokens": 4}, 400, "max_tokens"),
     ({"texts": ["ok"], "embedding_types": ["int8"], "output_dimension": 8}, 400, "dimensions"),

@@ -14,7 +14,16 @@ import torch
 
 from tidepool import envs
 from tidepool.checkpoint.loader import DEFAULT_MODEL
-from tidepool.config import CacheConfig, EngineConfig, ModelConfig, PoolerConfig, SchedulerConfig
+from tidepool.config import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    CacheConfig,
+    EngineConfig,
+    MediaConfig,
+    ModelConfig,
+    PoolerConfig,
+    SchedulerConfig,
+)
 from tidepool.engine.score_template import resolve_score_template
 from tidepool.engine.vllm_args import VLLM_ARGS, check_vllm_args
 from tidepool.model_loader.resolve import build_model_config
@@ -107,6 +116,20 @@ class EngineArgs:
     chat_template: str | None = None
     """The chat template (Jinja text or a file) for `chat()` and `messages` inputs; None: the
     tokenizer's own."""
+    allowed_local_media_path: str = ""
+    """A folder whose image files requests may name (a path or a file:// URL, resolved: symlinks
+    out of it are refused); "": no local files (vLLM's flag)."""
+    allowed_media_domains: list[str] | None = None
+    """Host names http(s) images may come from, each redirect hop too (vLLM's flag); None: see
+    allow_remote_media."""
+    allow_remote_media: bool = False
+    """Fetch http(s) images from any public host (not private, loopback or link-local
+    addresses); off with no allowed_media_domains: http(s) images are refused."""
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    """The largest encoded image read, in bytes (a file, a download, a data: URL)."""
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """The most pixels (width x height) an image may have, read from its header before any pixel
+    is decoded."""
 
     @staticmethod
     def add_cli_args(
@@ -197,6 +220,18 @@ class EngineArgs:
                 disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
             num_threads=envs.num_threads(),
+            media=self.media_config(),
+        )
+
+    def media_config(self) -> MediaConfig:
+        """Where images may come from and their limits (ValueError for a folder that is not
+        one, a limit below 1)."""
+        return media_config(
+            self.allowed_local_media_path,
+            self.allowed_media_domains,
+            self.allow_remote_media,
+            self.max_image_bytes,
+            self.max_image_pixels,
         )
 
 
@@ -226,6 +261,41 @@ def build_engine_config(model: str | None = None, **engine_args: Any) -> EngineC
     names = ASYNC_ENGINE_ARG_NAMES if "enable_log_requests" in engine_args else ENGINE_ARG_NAMES
     cls = AsyncEngineArgs if names is ASYNC_ENGINE_ARG_NAMES else EngineArgs
     return cls(**engine_args).to_engine_config(model)
+
+
+def media_config(
+    allowed_local_media_path: str,
+    allowed_media_domains: list[str] | None,
+    allow_remote_media: bool,
+    max_image_bytes: int,
+    max_image_pixels: int,
+) -> MediaConfig:
+    folder = None
+    if allowed_local_media_path:
+        folder = Path(allowed_local_media_path).expanduser().resolve()
+        if not folder.is_dir():
+            raise ValueError(
+                f"allowed_local_media_path {allowed_local_media_path!r} is not a folder"
+            )
+    for name, value in (
+        ("max_image_bytes", max_image_bytes),
+        ("max_image_pixels", max_image_pixels),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    domains = None
+    if allowed_media_domains is not None:
+        if isinstance(allowed_media_domains, str):
+            allowed_media_domains = [allowed_media_domains]
+        domains = tuple(d.strip().lower() for d in allowed_media_domains if d.strip())
+    return MediaConfig(
+        allowed_local_media_path=folder,
+        allowed_media_domains=domains,
+        allow_remote_media=bool(allow_remote_media),
+        fetch_timeout_s=envs.image_fetch_timeout_s(),
+        max_image_bytes=max_image_bytes,
+        max_image_pixels=max_image_pixels,
+    )
 
 
 _TOKENIZER_MODES = {

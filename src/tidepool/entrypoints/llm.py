@@ -31,8 +31,10 @@ from tidepool.engine.prompts import check_prompt_name
 from tidepool.engine.prompts import prompt_text as model_prompt
 from tidepool.engine.tasks import check_task_supported
 from tidepool.engine.tokenization_kwargs import tokenization_options, without_special_tokens
+from tidepool.entrypoints.content_parts import score_inputs, split_score_side
 from tidepool.entrypoints.llm_inputs import (
     PromptsArg,
+    ScoreInputs,
     _as_list,
     _no_lora,
     check_score_chat_template,
@@ -327,8 +329,8 @@ class LLM:
 
     def score(
         self,
-        data_1: str | Sequence[str],
-        data_2: str | Sequence[str],
+        data_1: ScoreInputs,
+        data_2: ScoreInputs,
         *,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
@@ -346,7 +348,10 @@ class LLM:
         embedding model scores the cosine of the two embeddings. `prompt_name` /
         `document_prompt_name`: one of the model's prompts for the data_1 / data_2 side
         (sentence-transformers' encode_query / encode_document, CrossEncoder.predict's
-        prompt_name before the first text; see entrypoints/llm_scoring.py).
+        prompt_name before the first text; see entrypoints/llm_scoring.py). An item may be
+        vLLM's {"content": [{"type": "image_url", "image_url": {"url": ...}}, {"type": "text",
+        "text": ...}]} (an image document; entrypoints/content_parts.py), on a model that takes
+        images.
         """
         _no_lora(lora_request)
         check_score_chat_template(chat_template)
@@ -355,8 +360,15 @@ class LLM:
         )
         check_task_supported(self.model_config, "score")
         check_score_prompts(self.model_config, prompt_name, document_prompt_name)
-        pairs = expand_score_pairs(_as_list(data_1, "data_1"), _as_list(data_2, "data_2"))
         mc = self.model_config
+        pairs = expand_score_pairs(
+            *(
+                score_inputs(
+                    _as_list(split_score_side(data), name), name, mc, mc.model, self.config.media
+                )
+                for data, name in ((data_1, "data_1"), (data_2, "data_2"))
+            )
+        )
         rule = scoring_rule(mc.task, mc.multi_vector is not None, mc.default_pooling_task)
 
         def encode(texts: list[Any], task: str, name: str | None):

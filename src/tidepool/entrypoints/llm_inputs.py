@@ -10,6 +10,8 @@ from tidepool.engine.tokenization_kwargs import tokenization_options
 from tidepool.params import PoolingParams
 
 PromptsArg = Any  # str | dict | Sequence[str | dict]
+ScoreInputs = Any
+"""score()'s sides: a string, a prompt dict, a {"content": [parts]} item, or a list of them."""
 
 
 def _as_list(prompts: PromptsArg, what: str = "prompts") -> list:

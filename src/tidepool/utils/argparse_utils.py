@@ -117,13 +117,15 @@ def argparse_kwargs(hint: Any, default: Any, doc: str) -> dict[str, Any]:
     ):
         kwargs["type"] = _json_object
         kwargs["help"] += " (JSON)"
+    elif any(typing.get_origin(m) is list for m in members):  # vLLM's list flags: nargs="+"
+        kwargs.update(type=str, nargs="+")
     elif int in members:
         kwargs["type"] = int
     elif float in members:
         kwargs["type"] = float
     else:
         kwargs["type"] = str
-    if optional and "type" in kwargs and kwargs.get("nargs") != "?":
+    if optional and "type" in kwargs and kwargs.get("nargs") not in ("?", "+"):
         kwargs["type"] = _none_or(kwargs["type"])
     if "action" not in kwargs:  # BooleanOptionalAction shows its default itself
         kwargs["help"] += " (default: none)" if default is None else " (default: %(default)s)"

@@ -2,7 +2,7 @@
 routes (a JSON answer) and the streams (an error event).
 
     ApiError (a client mistake or a refusal, with its status and headers) │ BatchInputError 400
-    EngineClosedError 503 │ EngineStepError 500 (503 once the server is stopping) │ else 500
+    MediaError 400 (an image refused: multimodal/media.py) │ EngineClosedError 503 │ EngineStepError 500 (503 once the server is stopping) │ else 500
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from tidepool.engine.async_engine import EngineClosedError, EngineStepError
 from tidepool.entrypoints.openai import protocol as p
+from tidepool.multimodal.media import MediaError
 from tidepool.outputs import BatchInputError
 
 logger = logging.getLogger("tidepool")
@@ -23,6 +24,7 @@ logger = logging.getLogger("tidepool")
 # By type, most specific first; ApiError carries its own status.
 _STATUS_OF_EXCEPTION: tuple[tuple[type[BaseException], int], ...] = (
     (BatchInputError, 400),
+    (MediaError, 400),
     (EngineClosedError, 503),
     (EngineStepError, 500),
 )

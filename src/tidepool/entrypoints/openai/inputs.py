@@ -55,11 +55,18 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class BuiltPrompts(list):
+    """Prompts the server built itself (the prompt dicts of messages with image parts,
+    openai/media_inputs.py): parse_prompts takes them as they are."""
+
+
 def parse_prompts(value: Any, param: str = "input") -> list[Any]:
     """`input` as OpenAI accepts it → prompts for InputProcessor (strings or token-id dicts).
 
     "a" → ["a"];  ["a", "b"] → ["a", "b"];  [1, 2] → [{ids: [1, 2]}];  [[1], [2]] → two prompts.
     """
+    if isinstance(value, BuiltPrompts):
+        return list(value)
     if isinstance(value, str):
         return [check_text(value, param, param)]
     if not isinstance(value, list):

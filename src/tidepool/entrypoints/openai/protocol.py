@@ -235,7 +235,7 @@ class RerankRequest(PoolingFields, ScoringFields):
     model: Str | None = None
     query: Any
     documents: Any
-    """Strings, or objects with a "text" field (as Cohere v1 and Jina clients may send)."""
+    """Strings, objects with a "text" field (Cohere v1, Jina), or {"content": [parts]}."""
     top_n: Int | None = None
     """Keep the best N results; None or 0 = all."""
     return_documents: Bool = True
@@ -244,7 +244,9 @@ class RerankRequest(PoolingFields, ScoringFields):
 
 
 class RerankDocument(OpenAIBaseModel):
-    text: str
+    text: str | None = None
+    multi_modal: Any = None
+    """An image document's image part (several: their list), as vLLM; its text parts: text."""
 
 
 class RerankResult(OpenAIBaseModel):

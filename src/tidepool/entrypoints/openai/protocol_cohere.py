@@ -27,9 +27,10 @@ class CohereEmbedRequest(CohereBaseModel):
     texts: Any = None
     """A list of strings (Cohere takes at most 96; here --max-inputs-per-request)."""
     images: Any = None
-    """Not supported: refused when given."""
+    """Image data URLs (http(s) URLs and files as the server's media flags allow), one image
+    input each; instead of texts (openai/media_inputs.py)."""
     inputs: Any = None
-    """Not supported (mixed text / image inputs): refused when given."""
+    """{"content": [text and image_url parts]} items, one input each; instead of texts."""
     input_type: (
         Literal["search_document", "search_query", "classification", "clustering", "image"] | None
     ) = None
@@ -58,10 +59,22 @@ class CohereMeta(CohereBaseModel):
     billed_units: CohereBilledUnits
 
 
+class CohereImage(CohereBaseModel):
+    """An embedded image, as Cohere describes it (of the encoded image it was sent as)."""
+
+    width: int
+    height: int
+    format: str
+    bit_depth: int
+
+
 class CohereEmbedResponse(CohereBaseModel):
     id: str = Field(default_factory=lambda: random_id("embed"))
     embeddings: dict[str, list[Any]]
-    """One list per requested type ("float", "int8"...), each with one embedding per text."""
-    texts: list[str]
+    """One list per requested type ("float", "int8"...), each with one embedding per input."""
+    texts: list[str] | None = None
+    """The texts of a `texts` request (the text parts of an `inputs` request)."""
+    images: list[CohereImage] | None = None
+    """The images of an `images` request."""
     meta: CohereMeta
     response_type: Literal["embeddings_by_type"] = "embeddings_by_type"

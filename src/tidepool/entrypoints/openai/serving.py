@@ -33,12 +33,8 @@ from tidepool.entrypoints.openai.encodings import (
     needs_ranges,
 )
 from tidepool.entrypoints.openai.errors import ApiError
-from tidepool.entrypoints.openai.inputs import (
-    check_text,
-    format_batch_error,
-    parse_prompts,
-    parse_texts,
-)
+from tidepool.entrypoints.openai.inputs import format_batch_error, parse_prompts
+from tidepool.entrypoints.openai.media_inputs import rerank_document, rerank_query, score_side
 from tidepool.entrypoints.openai.responses import (
     EmbeddingResponse,
     PoolingResponse,
@@ -290,8 +286,8 @@ class OpenAIServing:
     async def score(self, req: p.ScoreRequest) -> p.ScoreResponse:
         model = self.model_name(req.model)
         names = _score_fields(req)
-        first = parse_texts(getattr(req, names[0]), names[0])
-        second = parse_texts(getattr(req, names[1]), names[1])
+        first = await score_side(self, getattr(req, names[0]), names[0], req.model)
+        second = await score_side(self, getattr(req, names[1]), names[1], req.model)
         try:
             pairs = expand_score_pairs(first, second, names)
         except ValueError as e:
@@ -312,15 +308,13 @@ class OpenAIServing:
 
     async def rerank(self, req: p.RerankRequest) -> p.RerankResponse:
         model = self.model_name(req.model)
-        if not isinstance(req.query, str) or not req.query:
-            raise ApiError(400, f"query must be a non-empty string, got {req.query!r:.40}", "query")
-        check_text(req.query, "query", "query")
-        documents = parse_texts(req.documents, "documents", allow_single=False)
+        query = await rerank_query(self, req.query, req.model)
+        documents = await score_side(self, req.documents, "documents", req.model, False)
         self.check_count(len(documents), "documents")
         if req.top_n is not None and req.top_n < 0:
             raise ApiError(400, f"top_n must be >= 0 (0 = all), got {req.top_n}", "top_n")
         check_vllm_fields(req)
-        pairs = await cut_pairs(self, req, [(req.query, doc) for doc in documents])
+        pairs = await cut_pairs(self, req, [(query, doc) for doc in documents])
         scores, num_tokens = await self.score_pairs(
             pairs,
             req.truncate_prompt_tokens,
@@ -334,7 +328,11 @@ class OpenAIServing:
         results = [
             p.RerankResult(
                 index=i,
-                document=p.RerankDocument(text=documents[i]) if req.return_documents else None,
+                document=(
+                    p.RerankDocument(**rerank_document(req.documents, i, documents[i]))
+                    if req.return_documents
+                    else None
+                ),
                 relevance_score=scores[i],
             )
             for i in order

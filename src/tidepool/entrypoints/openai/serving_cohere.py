@@ -1,5 +1,6 @@
-"""Cohere's v2 embed API, `POST /v2/embed`, over the same engine as /v1/embeddings: texts in,
-one list of embeddings per requested `embedding_types` out."""
+"""Cohere's v2 embed API, `POST /v2/embed`, over the same engine as /v1/embeddings: texts,
+images (data URLs) or inputs (text and image parts) in, one list of embeddings per requested
+`embedding_types` out."""
 
 from __future__ import annotations
 
@@ -15,19 +16,25 @@ from tidepool.entrypoints.openai import protocol_cohere as pc
 from tidepool.entrypoints.openai.encodings import encode_values, needs_ranges
 from tidepool.entrypoints.openai.errors import ApiError
 from tidepool.entrypoints.openai.inputs import parse_texts
+from tidepool.entrypoints.openai.media_inputs import cohere_image_prompts
 from tidepool.entrypoints.openai.serving import OpenAIServing
+from tidepool.multimodal.media import source_description
 from tidepool.quantize import ENCODINGS
 
 # Cohere's `truncate` → (cut a long text to the budget, PoolingParams.truncation_side).
 _TRUNCATION = {"END": (True, "right"), "START": (True, "left"), "NONE": (False, "right")}
 
 
-def input_type_prompt(serving: OpenAIServing, input_type: str | None) -> str | None:
+def input_type_prompt(
+    serving: OpenAIServing, input_type: str | None, images: bool = False
+) -> str | None:
     """The model's prompt name for Cohere's `input_type` (engine/prompts.py's one rule, as the
-    offline API); None runs the texts with the model's default prompt, if any. 400 for "image":
-    this server embeds texts only."""
+    offline API); None runs the texts with the model's default prompt, if any. "image" goes
+    with `images` only (Cohere's rule) and names no prompt."""
     if input_type == "image":
-        raise ApiError(400, "input_type image is not supported: this server embeds texts only")
+        if not images:
+            raise ApiError(400, "input_type image goes with images, not texts", "input_type")
+        return None
     return prompt_name_for_input_type(serving.model_config, input_type)
 
 
@@ -68,21 +75,28 @@ class CohereServing:
     async def embed(self, req: pc.CohereEmbedRequest) -> pc.CohereEmbedResponse:
         serving = self.serving
         serving.model_name(req.model)
-        for name in ("images", "inputs"):
-            if getattr(req, name) is not None:
-                raise ApiError(400, f"{name} is not supported: this server embeds texts only")
+        given = [name for name in ("texts", "images", "inputs") if getattr(req, name) is not None]
+        if len(given) != 1:
+            what = " and ".join(given) or "none"
+            raise ApiError(400, f"give one of texts, images or inputs; got {what}")
         serving.check_task("embed", "Embed")
-        texts = parse_texts(req.texts, "texts", allow_single=False)
-        serving.check_count(len(texts), "texts")
+        images = None
+        if req.texts is not None:
+            texts: list[Any] = parse_texts(req.texts, "texts", allow_single=False)
+            param = "texts"
+        else:
+            texts, param = await cohere_image_prompts(serving, req.images, req.inputs, req.model)
+            images = [t["multi_modal_data"]["image"] for t in texts] if req.images else None
+        serving.check_count(len(texts), param)
         types = list(dict.fromkeys(req.embedding_types or ["float"]))
         ranges = None
         if any(t in ENCODINGS and needs_ranges(t) for t in types):
             ranges = await serving.ranges_for("int8", "embedding_types")
         truncate_prompt_tokens, side = self._truncation(req)
-        prompt_name = input_type_prompt(serving, req.input_type)
+        prompt_name = input_type_prompt(serving, req.input_type, images is not None)
         with cohere_names():
             params = serving.pooling_params(
-                "texts",
+                param,
                 task="embed",
                 dimensions=req.output_dimension,
                 truncate_prompt_tokens=truncate_prompt_tokens,
@@ -90,12 +104,17 @@ class CohereServing:
                 prompt_name=prompt_name,
             )
             work = serving.engine.encode(texts, [params] * len(texts))
-            outputs = await serving.run_batch(work, "texts")
+            outputs = await serving.run_batch(work, param)
         vectors = [o.outputs.data for o in outputs]
         embeddings = {t: [_encode(v, t, ranges) for v in vectors] for t in types}
         num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         meta = pc.CohereMeta(billed_units=pc.CohereBilledUnits(input_tokens=num_tokens))
-        return pc.CohereEmbedResponse(embeddings=embeddings, texts=texts, meta=meta)
+        return pc.CohereEmbedResponse(
+            embeddings=embeddings,
+            texts=texts if req.texts is not None else None,
+            images=[pc.CohereImage(**source_description(i)) for i in images] if images else None,
+            meta=meta,
+        )
 
 
 def _encode(vector: Any, embedding_type: str, ranges: np.ndarray | None) -> Any:

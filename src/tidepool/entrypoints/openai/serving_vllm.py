@@ -3,7 +3,7 @@
 
 Honoured: use_activation (and the older normalize / activation), truncation_side,
 add_special_tokens (False: texts run as token ids without [CLS] / [SEP] / BOS), `messages` (the
-model's chat template renders them into the prompt), request_id (echoed in `id`), the "bytes"
+model's chat template renders them into the prompt; image parts: openai/media_inputs.py), request_id (echoed in `id`), the "bytes"
 encodings, max_tokens_per_query / max_tokens_per_doc (score, rerank), user (no effect, as in
 vLLM). Refused unless unset: priority, padding "max_length",
 mm_processor_kwargs, media_io_kwargs, cache_salt; on score / rerank instruction and
@@ -20,17 +20,19 @@ from fastapi.responses import Response
 
 from tidepool.engine.prompts import check_prompt_name, prompt_text
 from tidepool.engine.tokenization_kwargs import without_special_tokens
+from tidepool.entrypoints.content_parts import has_non_text_parts
 from tidepool.entrypoints.openai import protocol as p
 from tidepool.entrypoints.openai.encodings import binary_values
 from tidepool.entrypoints.openai.errors import ApiError
 from tidepool.entrypoints.openai.inputs import check_request_chat_template
+from tidepool.entrypoints.openai.media_inputs import image_messages_prompts
 from tidepool.outputs import PoolingRequestOutput
 
 _REFUSED = (
     ("priority", (0,), "requests are served first come, first served (no priorities)"),
     ("padding", (None, "do_not_pad"), "sequences run unpadded (max_length padding is not done)"),
-    ("mm_processor_kwargs", (None, {}), "tidepool serves text models only"),
-    ("media_io_kwargs", (None, {}), "tidepool serves text models only"),
+    ("mm_processor_kwargs", (None, {}), "per-request processor options are not implemented"),
+    ("media_io_kwargs", (None, {}), "image decoding takes no options (RGB, alpha over white)"),
     ("cache_salt", (None,), "there is no per-request prefix-cache salting"),
 )
 
@@ -104,6 +106,8 @@ async def prompts_value(serving: Any, req: Any) -> tuple[Any, str]:
     engine, model_config = serving.engine, serving.model_config
     if req.messages is not None and req.input is not None:
         raise ApiError(400, "give input or messages, not both", "messages")
+    if has_non_text_parts(req.messages):
+        return await image_messages_prompts(serving, req)
     if req.messages is not None:
         trusted = serving.limits.trust_request_chat_template
         check_request_chat_template(req.chat_template, req.chat_template_kwargs, trusted)
