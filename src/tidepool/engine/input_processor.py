@@ -413,6 +413,11 @@ class InputProcessor:
     ) -> Request | RequestError:
         if check_len and (error := self._check_len(len(ids))):
             return RequestError(index, error)
+        if self._mm is not None and not mm_features:
+            try:
+                ids = self._mm.shape_text(ids)
+            except ValueError as e:
+                return RequestError(index, str(e))
         if token_types is not None and not any(token_types):
             token_types = None
         return Request(

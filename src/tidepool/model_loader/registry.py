@@ -65,6 +65,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     # EmbeddingGemma: Gemma3TextModel with use_bidirectional_attention (see native_architecture).
     "Gemma3TextEncoderModel": ("gemma_embed", "Gemma3TextEncoderModel"),
+    # Dual towers (text and images into one space): models/interfaces.py DualTowerModel.
+    "CLIPModel": ("clip", "CLIPModel"),
+    "CLIPVisionModelWithProjection": ("clip", "CLIPVisionModelWithProjection"),
 }
 
 # Architectures whose checkpoints may set `use_bidirectional_attention` (a decoder trained as an

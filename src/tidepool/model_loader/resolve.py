@@ -359,7 +359,9 @@ def _causal_lm(arch: str, convert: str, model_impl: str) -> str:
 def _position_max_model_len(
     hf_config: Any, resolved: ResolvedModel, st: SentenceTransformersMeta
 ) -> int:
-    """The longest prompt the model's positions allow (and sentence-transformers' cap)."""
+    """The longest prompt the model's positions allow (and sentence-transformers' cap); a
+    dual-tower model's (CLIP, SigLIP) are its text tower's."""
+    hf_config = getattr(hf_config, "text_config", None) or hf_config
     derived = int(getattr(hf_config, "max_position_embeddings", 512))
     if resolved.position_offset is not None:
         derived -= resolved.position_offset  # the transformers backend read it from the model

@@ -37,6 +37,15 @@ class DualTowerProcessor(ImagePromptProcessor):
         self.settings = processor_settings(self.image_processor)
         self.num_positions = vision_positions(model_config.hf_config)
         self.name = model_config.architecture
+        self.takes_text = getattr(model_config.hf_config, "text_config", None) is not None
+
+    def shape_text(self, token_ids: list[int]) -> list[int]:
+        if not self.takes_text:
+            raise ValueError(
+                f"{self.name} is a vision tower alone: it embeds images "
+                "({'prompt': '', 'multi_modal_data': {'image': image}}), not texts"
+            )
+        return token_ids
 
     def process(self, prompt: str, images: Sequence[Any], task: str) -> ProcessedPrompt:
         if prompt:

@@ -55,12 +55,16 @@ class ImagePromptProcessor(ABC):
         """`images`: decoded PIL images, in prompt order; `task`: the request's pooling task
         (or "generate"). Raises ValueError naming what the model cannot take."""
 
+    def shape_text(self, token_ids: list[int]) -> list[int]:
+        """A prompt without images, tokenized: the ids the model runs (SigLIP pads to its text
+        length); raises ValueError where the model takes no text."""
+        return token_ids
+
 
 _PROCESSORS: dict[str, tuple[str, str]] = {
     # Dual-tower models: an image-only prompt is the vision tower's input.
     "CLIPModel": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
     "CLIPVisionModelWithProjection": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
-    "SiglipModel": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
 }
 """Architecture (ModelConfig.architecture) → (module, class) of its ImagePromptProcessor."""
 
@@ -89,9 +93,10 @@ def load_image_processor(model_config: ModelConfig) -> Any:
     from transformers import AutoImageProcessor
 
     path = model_config.path
-    if not (path / "preprocessor_config.json").is_file():
+    names = ("preprocessor_config.json", "processor_config.json")  # the latter: ST 6's save
+    if not any((path / name).is_file() for name in names):
         raise ValueError(
-            f"{path} has no preprocessor_config.json: the image processor (sizes, "
+            f"{path} has neither {' nor '.join(names)}: the image processor (sizes, "
             "normalization) the model's images need is not in the folder"
         )
     return AutoImageProcessor.from_pretrained(str(path), backend="pil")

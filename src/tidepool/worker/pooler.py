@@ -200,11 +200,12 @@ class Pooler(nn.Module):
         # vLLM normalizes embeddings by default; a sentence-transformers pipeline without a
         # Normalize module says otherwise, and we honour it.
         self.default_normalize = st.normalize or not st.is_sentence_transformer
-        self.embed_size = (
-            self.dense[-1].weight.shape[0] if self.dense else model_config.hf_config.hidden_size
-        )
         if own is not None:
             self.embed_size = own.embedding_size
+        else:
+            self.embed_size = (
+                self.dense[-1].weight.shape[0] if self.dense else model_config.hf_config.hidden_size
+            )
 
     def supported_tasks(self) -> tuple[str, ...]:
         return self.model_config.pooling_tasks

@@ -8,7 +8,14 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's x * sigmoid(1.702 x) (transformers' QuickGELUActivation)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": quick_gelu,
     "gelu": F.gelu,
     "gelu_new": partial(F.gelu, approximate="tanh"),
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),

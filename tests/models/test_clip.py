@@ -1,0 +1,146 @@
+"""CLIPModel natively (models/clip.py), float32 on CPU: images and texts into one space.
+
+References, on the same tiny random weights (tests/multimodal_models.py: 32 px images, 8 px
+patches, heads of 32 in the vision tower so that the CPU kernel runs it where it builds):
+transformers' CLIPModel.get_image_features / get_text_features on the PIL processor's tensors,
+and sentence-transformers 6's SentenceTransformer.encode on images and texts (its Transformer
+module calls those same methods). Tolerances: tests/tolerances.py, depth = layers + embeddings
++ projection, the longest reduction the FFN's intermediate width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from multimodal_models import CLIP_TEXT, PROJECTION_DIM, build_clip, make_images
+from tolerances import assert_close, assert_cosine_close
+
+from tidepool import LLM, PoolingParams
+
+RAW = PoolingParams(normalize=False)
+TEXTS = ["a photo of a cat", "hi", "The quick brown fox jumps over the lazy dog.", "a"]
+DEPTH = CLIP_TEXT["num_hidden_layers"] + 2
+REDUCTION = CLIP_TEXT["intermediate_size"]
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clip") / "model"
+    model = build_clip(folder)
+    llm = LLM(str(folder), device="cpu", dtype="float32")
+    return folder, model, llm
+
+
+def _image_prompt(image):
+    return {"prompt": "", "multi_modal_data": {"image": image}}
+
+
+def _embed(llm, prompts, params=RAW):
+    outs = llm.embed(prompts, pooling_params=params, use_tqdm=False)
+    return torch.tensor([o.outputs.embedding for o in outs])
+
+
+@torch.inference_mode()
+def _transformers(folder, model, images, texts):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(folder), backend="pil")
+    image_rows = model.get_image_features(**processor(images=images, return_tensors="pt"))
+    text_rows = [
+        model.get_text_features(**processor(text=[t], return_tensors="pt")).pooler_output
+        for t in texts
+    ]
+    return image_rows.pooler_output, torch.cat(text_rows)
+
+
+def test_clip_images_and_texts_match_transformers(clip, report_tolerance):
+    """One call mixing images and texts: each equals transformers' own features."""
+    folder, model, llm = clip
+    assert llm.model_config.model_impl == "native"
+    images = make_images(6)
+    got = _embed(llm, [*map(_image_prompt, images), *TEXTS])
+    ref_images, ref_texts = _transformers(folder, model, images, TEXTS)
+    expected = torch.cat([ref_images, ref_texts])
+    assert got.shape == expected.shape == (len(images) + len(TEXTS), PROJECTION_DIM)
+    report_tolerance("native tiny clip images + texts", got, expected)
+    assert_cosine_close(got, expected, depth=DEPTH, reduction=REDUCTION)
+    assert_close(got, expected, depth=DEPTH, reduction=REDUCTION)
+    # Guard: the images differ from one another by far more than the tolerance.
+    assert (ref_images[0] - ref_images[1]).abs().max() > 100 * (got - expected).abs().max()
+
+
+def test_clip_matches_sentence_transformers(clip, tmp_path):
+    """sentence-transformers 6 loads the plain folder (Transformer module, get_*_features) and
+    the folder it saves (modules.json): min cosine >= 0.9999, the image-text cosine matrix
+    within 1e-4, and tidepool loads the saved folder to the same vectors."""
+    from sentence_transformers import SentenceTransformer
+
+    folder, _, llm = clip
+    images = make_images(5, seed=3)
+    st = SentenceTransformer(str(folder), device="cpu")
+    ref_images = st.encode(images, convert_to_tensor=True)
+    ref_texts = st.encode(TEXTS, convert_to_tensor=True)
+    got = _embed(llm, [*map(_image_prompt, images), *TEXTS])
+    got_images, got_texts = got[: len(images)], got[len(images) :]
+    cos = F.cosine_similarity(got, torch.cat([ref_images, ref_texts]), dim=-1)
+    assert cos.min() >= 0.9999
+    matrix = F.normalize(got_images, dim=-1) @ F.normalize(got_texts, dim=-1).T
+    ref_matrix = F.normalize(ref_images, dim=-1) @ F.normalize(ref_texts, dim=-1).T
+    assert (matrix - ref_matrix).abs().max() <= 1e-4
+    saved = tmp_path / "st"
+    st.save(str(saved))
+    again = LLM(str(saved), device="cpu", dtype="float32")
+    assert_close(
+        _embed(again, [*map(_image_prompt, images), *TEXTS]),
+        got,
+        depth=DEPTH,
+        reduction=REDUCTION,
+    )
+
+
+def test_clip_batch_invariance(clip):
+    """An image or a text alone equals itself in a mixed batch; the default normalizes."""
+    _, _, llm = clip
+    images = make_images(4, seed=5)
+    mixed = [TEXTS[0], _image_prompt(images[0]), TEXTS[1], *map(_image_prompt, images[1:])]
+    together = _embed(llm, mixed)
+    alone = torch.cat([_embed(llm, [p]) for p in mixed])
+    assert_close(alone, together, depth=DEPTH, reduction=REDUCTION)
+    normalized = _embed(llm, mixed[:2], PoolingParams())
+    torch.testing.assert_close(normalized.norm(dim=-1), torch.ones(2))
+
+
+def test_clip_bad_image_prompts_fail_alone(clip):
+    """Text with an image, two images, an image for token_embed, bytes instead of PIL, an audio
+    key: each that prompt's error, naming it; the good prompts of the batch go on."""
+    _, _, llm = clip
+    image = make_images(1)[0]
+    bad = [
+        ({"prompt": "a cat", "multi_modal_data": {"image": image}}, "embeds an image alone"),
+        ({"prompt": "", "multi_modal_data": {"image": [image, image]}}, "one image per prompt"),
+        ({"prompt": "", "multi_modal_data": {"image": b"\x89PNG"}}, "must hold PIL images"),
+        ({"prompt": "", "multi_modal_data": {"audio": image}}, "'audio' not supported"),
+    ]
+    for prompt, message in bad:
+        with pytest.raises(ValueError, match=message):
+            llm.embed(["fine", prompt], use_tqdm=False)
+    with pytest.raises(ValueError, match="one embedding"):
+        llm.encode([_image_prompt(image)], pooling_task="token_embed", use_tqdm=False)
+
+
+def test_clip_vision_tower_alone(tmp_path):
+    """CLIPVisionModelWithProjection: image_embeds, equal to transformers'; texts refused."""
+    from transformers import AutoImageProcessor
+
+    folder = tmp_path / "vision"
+    model = build_clip(folder, architecture="CLIPVisionModelWithProjection")
+    llm = LLM(str(folder), device="cpu", dtype="float32")
+    images = make_images(3, seed=9)
+    got = _embed(llm, list(map(_image_prompt, images)))
+    processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    with torch.inference_mode():
+        expected = model(**processor(images=images, return_tensors="pt")).image_embeds
+    assert_close(got, expected, depth=DEPTH, reduction=REDUCTION)
+    with pytest.raises(ValueError, match="vision tower alone"):
+        llm.embed(["a text"], use_tqdm=False)

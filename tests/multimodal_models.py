@@ -1,0 +1,141 @@
+"""Tiny random CLIP / SigLIP folders and deterministic images, shared by the multimodal tests.
+
+Every folder is what `save_pretrained` writes for a dual-tower model: config.json and weights,
+the tokenizer, and the PIL image processor's preprocessor_config.json (32 px images, 8 px
+patches: 16 patches). Images are PNG-decoded PIL images built from a fixed seed, in the sizes and
+modes a user gives (RGB of other sizes, RGBA, L, P), so the processor's resize, crop and
+conversion all run.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+IMAGE_SIZE = 32
+PATCH_SIZE = 8
+CLIP_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=77,
+)
+CLIP_VISION = dict(  # heads of 32: the CPU kernel's width, where it builds
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=IMAGE_SIZE,
+    patch_size=PATCH_SIZE,
+)
+PROJECTION_DIM = 32
+SIGLIP_TEXT_LEN = 16
+"""SigLIP's text positions (max_position_embeddings): its texts are padded to this length."""
+
+
+def make_images(count: int, seed: int = 0) -> list[Image.Image]:
+    """`count` PNG-decoded images of varied sizes and modes (RGB, RGBA, L, P), fixed by `seed`."""
+    rng = np.random.RandomState(seed)
+    sizes = [(40, 50), (32, 32), (64, 20), (25, 70), (33, 47), (90, 90)]
+    modes = ["RGB", "RGB", "RGBA", "L", "RGB", "P"]
+    images = []
+    for i in range(count):
+        h, w = sizes[i % len(sizes)]
+        base = rng.randint(0, 256, size=(h, w, 3)).astype("uint8")
+        # Smooth structure plus noise: resizing differences show up in the pixel values.
+        yy, xx = np.mgrid[0:h, 0:w]
+        base[..., i % 3] = ((xx * 7 + yy * 3 + 40 * i) % 256).astype("uint8")
+        image = Image.fromarray(base, "RGB")
+        mode = modes[i % len(modes)]
+        if mode == "RGBA":
+            image = image.convert("RGBA")
+        elif mode == "L":
+            image = image.convert("L")
+        elif mode == "P":
+            image = image.convert("P")
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        images.append(Image.open(io.BytesIO(buffer.getvalue())))
+    return images
+
+
+def save_byte_bpe_tokenizer(folder: Path, special: list[str], max_length: int, pad_eos: bool):
+    """A byte-level BPE tokenizer with CLIP's <|startoftext|> ... <|endoftext|> template."""
+    from conftest import TINY_TEXTS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_TEXTS, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{special[0]} $A {special[1]}",
+        special_tokens=[(special[0], 0), (special[1], 1)],
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=special[0],
+        eos_token=special[1],
+        pad_token=special[1] if pad_eos else special[2],
+        model_max_length=max_length,
+    )
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def save_clip_image_processor(folder: Path) -> None:
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+    ).save_pretrained(str(folder))
+
+
+def build_clip(folder: Path, seed: int = 7, architecture: str = "CLIPModel") -> torch.nn.Module:
+    """A tiny CLIPModel (or one of its *WithProjection towers) saved in `folder`, in eval mode."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = save_byte_bpe_tokenizer(
+        folder, ["<|startoftext|>", "<|endoftext|>", "<|pad|>"], 77, pad_eos=False
+    )
+    save_clip_image_processor(folder)
+    text = transformers.CLIPTextConfig(
+        vocab_size=len(tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=2, **CLIP_TEXT
+    )
+    vision = transformers.CLIPVisionConfig(**CLIP_VISION)
+    config = transformers.CLIPConfig(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        projection_dim=PROJECTION_DIM,
+        initializer_factor=5.0,  # attention far from uniform: a dropped mask shows
+    )
+    torch.manual_seed(seed)
+    model = transformers.CLIPModel(config).eval()
+    if architecture == "CLIPModel":
+        out: torch.nn.Module = model
+    else:
+        sub = text if "Text" in architecture else vision
+        sub.projection_dim = PROJECTION_DIM
+        out = getattr(transformers, architecture)(sub).eval()
+        own = out.state_dict()
+        whole = model.state_dict()
+        out.load_state_dict(
+            {k: whole.get(k, whole.get(f"vision_model.{k}", v)) for k, v in own.items()},
+            strict=False,
+        )
+    out.save_pretrained(str(folder))
+    return out
