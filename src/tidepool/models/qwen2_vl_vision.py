@@ -158,7 +158,9 @@ class Qwen2VisionTransformer(nn.Module):
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
         max_patches = int(getattr(self.config, "max_num_patches", 0) or DEFAULT_MAX_PATCHES)
-        return AttentionSpec(device, dtype, self.config.embed_dim // self.config.num_heads, max_patches)
+        return AttentionSpec(
+            device, dtype, self.config.embed_dim // self.config.num_heads, max_patches
+        )
 
     def select_encoder_backend(self, device: torch.device, dtype: torch.dtype) -> None:
         """The registry's choice for this tower (the loader's half: device and dtype final)."""

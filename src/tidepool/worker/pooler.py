@@ -201,7 +201,9 @@ class Pooler(nn.Module):
         # Normalize module says otherwise, and we honour it.
         self.default_normalize = st.normalize or not st.is_sentence_transformer
         self.embed_size = (
-            self.dense[-1].weight.shape[0] if self.dense else model_config.hf_config.hidden_size
+            self.dense[-1].weight.shape[0]
+            if self.dense
+            else model_config.hf_config.get_text_config().hidden_size
         )
         if own is not None:
             self.embed_size = own.embedding_size
