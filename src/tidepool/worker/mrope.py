@@ -25,7 +25,7 @@ from tidepool.request import Request
 def image_placements(request: Request) -> list[ImagePlacement]:
     """The request's images as (offset, grid) pairs (their features' image_grid_thw)."""
     out = []
-    for feature in getattr(request, "mm_features", ()):  # until the contract lands
+    for feature in request.mm_features:
         grid = feature.data.get("image_grid_thw")
         if grid is None:
             raise ValueError(f"image feature at {feature.offset} has no image_grid_thw (M-RoPE)")
