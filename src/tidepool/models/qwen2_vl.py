@@ -26,6 +26,7 @@ from tidepool.models.llama import DecoderAttention, Qwen2Model
 from tidepool.models.mrope import ImagePlacement, MRopePositions, MRotaryEmbedding, mrope_positions
 from tidepool.models.qwen2_vl_vision import Grid, Qwen2VisionTransformer, vision_weights
 from tidepool.models.weights import load_fused_weights
+from tidepool.multimodal.features import MultiModalFeature
 
 _QKV = {".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2)}
 _TEXT_PARTS = ("layers.", "embed_tokens.", "norm.")
@@ -55,6 +56,7 @@ class Qwen2VLModel(AttentionModel, nn.Module):
 
     is_causal: ClassVar[bool] = True
     default_pooling_type: ClassVar[str] = "LAST"
+    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
     uses_mrope: ClassVar[bool] = True
     """Positions are mrope_positions' three rows (the runner asks once per request)."""
 
@@ -101,6 +103,17 @@ class Qwen2VLModel(AttentionModel, nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] → [num_tokens, hidden] token embeddings (placeholders included)."""
         return self.language_model.embed_tokens(input_ids)
+
+    def embed_multimodal(self, features: Sequence[MultiModalFeature]) -> list[torch.Tensor]:
+        """The step's images (of any requests) → each one's placeholder rows, the vision tower
+        run once over all their patches (one sequence per image)."""
+        grids: list[Grid] = []
+        for feature in features:
+            t, h, w = (int(v) for v in feature.data["image_grid_thw"].reshape(-1).tolist())
+            grids.append((t, h, w))
+        device = self.visual.patch_embed.proj.weight.device
+        pixels = torch.cat([f.data["pixel_values"] for f in features]).to(device)
+        return self.embed_images(pixels, grids)
 
     def embed_images(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> list[torch.Tensor]:
         """The patch rows of several images (in order) → each image's placeholder rows
