@@ -58,6 +58,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForSequenceClassification": ("causal_classifier", "MistralForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("causal_classifier", "Qwen2ForSequenceClassification"),
     "Qwen3ForSequenceClassification": ("causal_classifier", "Qwen3ForSequenceClassification"),
+    # Qwen2-VL: the vision tower's image rows at the placeholders, Qwen2 with M-RoPE (embedders).
+    "Qwen2VLModel": ("qwen2_vl", "Qwen2VLModel"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "ColQwen2ForRetrieval": ("colqwen2", "ColQwen2ForRetrieval"),
     # Hybrid sliding-window / full attention: two KV-cache groups in one block pool.
     "Gemma2Model": ("gemma", "Gemma2Model"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),

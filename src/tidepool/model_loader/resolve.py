@@ -361,8 +361,11 @@ def _position_max_model_len(
 ) -> int:
     """The longest prompt the model's positions allow (and sentence-transformers' cap); a
     dual-tower model's (CLIP, SigLIP) are its text tower's."""
-    hf_config = getattr(hf_config, "text_config", None) or hf_config
-    derived = int(getattr(hf_config, "max_position_embeddings", 512))
+    # A vision-language config keeps the text's positions in its text config (Qwen2-VL, CLIP).
+    text_config = (
+        hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    )
+    derived = int(getattr(text_config, "max_position_embeddings", 512))
     if resolved.position_offset is not None:
         derived -= resolved.position_offset  # the transformers backend read it from the model
     elif any(resolved.architecture.startswith(p) for p in _ROBERTA_LIKE):

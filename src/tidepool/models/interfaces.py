@@ -13,6 +13,8 @@
     EmbeddingPoolingHead pool_embeddings(hidden, cu_seqlens, input_ids) → [num_seqs, dim]: the
                    model's own pooled embedding (CLIP's text towers: the EOS token's state, then
                    text_projection), used when sentence-transformers metadata names no pooling
+    MRopeModel     uses_mrope, mrope_positions(num_tokens, images): a decoder rotating three
+                   position rows (Qwen2-VL); the runner feeds it [3, num_tokens] positions
     LanguageModelHead compute_logits(hidden [num_seqs, hidden]) → float32 [num_seqs, vocab]
     per-token heads, called by the pooler on one text's token states [num_tokens, hidden]:
       VocabLogitsHead      compute_vocab_logits → [num_tokens, vocab]     (SPLADE's MLM head)
@@ -56,6 +58,7 @@ from tidepool.attention.backend import (
 )
 from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.kv_cache.spec import KVCacheSpec
+from tidepool.models.mrope import ImagePlacement, MRopePositions
 from tidepool.multimodal.features import MultiModalFeature
 
 
@@ -150,6 +153,21 @@ class DecoderModel(Protocol):
         attn_metadata: DecoderStepMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class MRopeModel(Protocol):
+    """A decoder whose rotary takes three position rows (M-RoPE, models/mrope.py: Qwen2-VL)."""
+
+    uses_mrope: bool
+    """True: the runner feeds forward [3, num_tokens] positions from mrope_positions."""
+
+    def mrope_positions(
+        self, num_tokens: int, images: Sequence[ImagePlacement]
+    ) -> MRopePositions | None:
+        """A prompt of `num_tokens` tokens with its images' placeholders at `images` → its
+        positions (computed once per request); None when uses_mrope is False."""
+        ...
 
 
 @runtime_checkable

@@ -268,11 +268,14 @@ class LlamaModel(AttentionModel, nn.Module):
         positions: torch.Tensor,
         attn_metadata: PagedAttentionMetadata,
         kv_caches: list[torch.Tensor],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """→ [num_tokens, hidden], or [len(output_rows), hidden] when the metadata names
         output rows (the last layer then computes its queries and MLP at those rows only:
-        1 / num_layers of the step's work, less the last layer's K/V)."""
-        x = self.embed_tokens(input_ids)
+        1 / num_layers of the step's work, less the last layer's K/V). `inputs_embeds`
+        [num_tokens, hidden] replaces the token embeddings (a multimodal model's, with its
+        images' rows); `positions` may be [3, num_tokens] where rotary_emb takes them (M-RoPE)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
         output_rows = attn_metadata.output_rows
         last = len(self.layers) - 1 if output_rows is not None else len(self.layers)

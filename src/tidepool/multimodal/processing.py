@@ -65,6 +65,10 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
     # Dual-tower models: an image-only prompt is the vision tower's input.
     "CLIPModel": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
     "CLIPVisionModelWithProjection": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
+    # Images among the prompt's tokens: one <|image_pad|> per image, expanded to its grid.
+    "Qwen2VLModel": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
+    "Qwen2VLForConditionalGeneration": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
+    "ColQwen2ForRetrieval": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
 }
 """Architecture (ModelConfig.architecture) → (module, class) of its ImagePromptProcessor."""
 

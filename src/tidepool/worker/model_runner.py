@@ -25,12 +25,13 @@ from tidepool.config import EngineConfig, ModelConfig
 from tidepool.core.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from tidepool.kv_cache.spec import KVCacheConfig, group_layers, plan_kv_cache
 from tidepool.model_loader.registry import build_model
-from tidepool.models.interfaces import DecoderModel, EncoderModel, LanguageModelHead
+from tidepool.models.interfaces import DecoderModel, EncoderModel, LanguageModelHead, MRopeModel
 from tidepool.params import PoolingParams
 from tidepool.request import Request
 from tidepool.utils.lists import filled
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
 from tidepool.worker.memory import NativeMemory
+from tidepool.worker.mrope import MRopeStates
 from tidepool.worker.multimodal import MultiModalRunner
 from tidepool.worker.pooler import Pooler, PoolingMetadata
 from tidepool.worker.sampler import Sampler, SamplingMetadata
@@ -98,6 +99,11 @@ class ModelRunner:
         """(backend, its metadata builder): made at load (_init_kv_cache / the first step's
         check), again only if the model was handed another backend since."""
         self.states = RequestStates(device=self.device)
+        self.mrope = (
+            MRopeStates(self.model, self.device)
+            if isinstance(self.model, MRopeModel) and self.model.uses_mrope
+            else None
+        )
         self.sampler = Sampler() if config.model.runner_type == "generate" else None
         if config.model.is_causal:
             self._init_kv_cache()
@@ -204,9 +210,14 @@ class ModelRunner:
             output_rows_only=self._reads_last_rows_only(sched_out),
         )
         model = cast(DecoderModel, self.model)  # _check_contract: causal → DecoderModel
+        positions = batch.positions
+        if self.mrope is not None:  # three rows per token (worker/mrope.py)
+            positions = self.mrope.step_positions(
+                sched_out, batch.requests, batch.context_lens, batch.query_lens
+            )
         hidden = model(
             batch.input_ids,
-            batch.positions,
+            positions,
             batch.attn_metadata,
             self.kv_caches,
             **self._inputs_embeds(

@@ -204,7 +204,9 @@ class Pooler(nn.Module):
             self.embed_size = own.embedding_size
         else:
             self.embed_size = (
-                self.dense[-1].weight.shape[0] if self.dense else model_config.hf_config.hidden_size
+                self.dense[-1].weight.shape[0]
+                if self.dense
+                else model_config.hf_config.get_text_config().hidden_size
             )
 
     def supported_tasks(self) -> tuple[str, ...]:
