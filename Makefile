@@ -16,7 +16,7 @@ MYPY_PATHS = src/tidepool/core src/tidepool/kv_cache src/tidepool/engine src/tid
 	src/tidepool/models/interfaces.py src/tidepool/jobs src/tidepool/ray \
 	src/tidepool/entrypoints/openai/protocol.py src/tidepool/entrypoints/openai/protocol_cohere.py \
 	src/tidepool/entrypoints/openai/protocol_tei.py src/tidepool/entrypoints/openai/protocol_vllm.py \
-	src/tidepool/output_heads
+	src/tidepool/output_heads src/tidepool/multimodal
 
 lint:
 	.venv/bin/ruff check src tests benchmarks

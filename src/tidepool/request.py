@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tidepool.multimodal.features import MultiModalFeature
 from tidepool.params import PoolingParams, SamplingParams
 
 
@@ -52,6 +53,9 @@ class Request:
     """"stop" or "length" once finished (vLLM's names); "abort" when aborted."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended generation; None for EOS or length."""
+    mm_features: tuple[MultiModalFeature, ...] = field(default=(), compare=False, repr=False)
+    """The prompt's images (multimodal/features.py), in offset order: each one's placeholder
+    range in prompt_token_ids, encoded by the runner when a step first reaches it."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -276,6 +276,17 @@ def test_no_cycles_among_model_loading() -> None:
             "tidepool.transformers_backend",
         ),
         _layer("tidepool.model_loader", *_ABOVE_MODELS),
+        # Images as the engine sees them: below the request (which carries their features), the
+        # worker (which encodes them) and the engine (whose input processor makes them).
+        _layer(
+            "tidepool.multimodal",
+            *_ABOVE_MODELS,
+            "tidepool.models",
+            "tidepool.model_loader",
+            "tidepool.transformers_backend",
+            "tidepool.quantization",
+            "tidepool.checkpoint",
+        ),
         # One object per output head: below the pooler, the resolver and the refusals that read
         # it; above the models whose protocols it names.
         _layer(

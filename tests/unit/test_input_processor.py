@@ -58,7 +58,7 @@ def test_token_id_prompts_pass_through(bert):
     [
         (
             {"prompt": "hello world", "multi_modal_data": {"image": object()}},
-            r"multi_modal_data: images, audio and video are not supported yet",
+            r"multi_modal_data: this model takes text and token ids only",
         ),
         (
             {"prompt_token_id": [101, 7592, 102]},
@@ -77,7 +77,7 @@ def test_token_id_prompts_pass_through(bert):
         ({"prompt_embeds": [[0.0]]}, r"prompt_embeds \(an EmbedsPrompt\) is not supported"),
         (
             {"prompt": "hello", "mm_processor_kwargs": {"fps": 1}},
-            r"mm_processor_kwargs applies to multi_modal_data",
+            r"mm_processor_kwargs is not supported",
         ),
     ],
 )

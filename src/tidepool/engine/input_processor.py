@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tidepool.config import ModelConfig
@@ -31,7 +30,7 @@ from tidepool.engine.prefix_tokenizer import (
     PrefixTokenizer,
     read_limit,
 )
-from tidepool.engine.prompt_dicts import prompt_dict_problem
+from tidepool.engine.prompt_dicts import ParsedPrompt, describe, parse_prompt
 from tidepool.engine.prompts import check_prompt_name, is_query, prompt_text
 from tidepool.engine.score_template import ScoreTemplate, render_pairs
 from tidepool.engine.text_checks import unicode_problem
@@ -43,24 +42,12 @@ from tidepool.engine.truncation import (
     too_long,
     too_sparse,
 )
+from tidepool.multimodal.features import MultiModalFeature
+from tidepool.multimodal.processing import processor_for
 from tidepool.outputs import RequestError
 from tidepool.params import PoolingParams, SamplingParams
 from tidepool.request import Request
 from tidepool.utils.lists import filled
-
-PROMPT_TYPES_HINT = (
-    "a string, or a dict with 'prompt' (string) or 'prompt_token_ids' (list of ints)"
-)
-
-
-@dataclass
-class _Parsed:
-    text: str | None = None
-    token_ids: list[int] | None = None
-
-
-def _describe(value: Any) -> str:
-    return "None" if value is None else type(value).__name__
 
 
 class InputProcessor:
@@ -97,6 +84,9 @@ class InputProcessor:
             if model_config.multi_vector is None
             else MultiVectorInputs.build(model_config.multi_vector, self.tokenizer)
         )
+        self._mm = processor_for(model_config, self.tokenizer)
+        """The model's image prompt processor (multimodal/processing.py); None: text only."""
+        self._modalities = () if self._mm is None else self._mm.modalities
         self._ids = itertools.count()
         self._long = LongInputSplitter.for_model(
             model_config, self._prefix_tokenizer, self._lower, self._make
@@ -107,39 +97,9 @@ class InputProcessor:
 
     # ------------------------------------------------------------------ parsing
 
-    def _parse(self, prompt: Any) -> _Parsed | str:
-        """A prompt → text or token ids; a string is the error message."""
-        if isinstance(prompt, dict):
-            if problem := prompt_dict_problem(prompt):  # a key it cannot read is never dropped
-                return problem
-            if "prompt_token_ids" in prompt:
-                return self._parse_token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return (
-                    self._parse(prompt["prompt"])
-                    if isinstance(prompt["prompt"], str)
-                    else (f"'prompt' must be a string, got {_describe(prompt['prompt'])}")
-                )
-            return f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
-        if isinstance(prompt, str):
-            if prompt == "":
-                return "the prompt is an empty string"
-            if problem := unicode_problem(prompt):
-                return f"the prompt {problem}"
-            return _Parsed(text=prompt)
-        return f"the prompt has type {_describe(prompt)}; expected {PROMPT_TYPES_HINT}"
-
-    def _parse_token_ids(self, ids: Any) -> _Parsed | str:
-        if not isinstance(ids, (list, tuple)):
-            return f"'prompt_token_ids' must be a list of ints, got {_describe(ids)}"
-        if not ids:
-            return "'prompt_token_ids' is empty"
-        for tok in ids:
-            if isinstance(tok, bool) or not isinstance(tok, int):
-                return f"'prompt_token_ids' must hold ints, found {_describe(tok)}"
-            if tok < 0 or (self.vocab_size and tok >= self.vocab_size):
-                return f"token id {tok} is outside the vocabulary [0, {self.vocab_size})"
-        return _Parsed(token_ids=list(ids))
+    def _parse(self, prompt: Any) -> ParsedPrompt | str:
+        """A prompt → text, token ids (and images); a string is the error message."""
+        return parse_prompt(prompt, self.vocab_size, self._modalities)
 
     def _prepare_text(self, text: str) -> str:
         """A text with the default prompt, as the tokenizer gets it (pairs)."""
@@ -219,6 +179,8 @@ class InputProcessor:
                 p = str(e)
             if isinstance(p, str):
                 results[i] = RequestError(i, p)
+            elif p.mm_data:
+                results[i] = self._process_multimodal(i, p, params[i])
             elif p.token_ids is not None:
                 try:
                     max_len = self._truncation(params[i])
@@ -413,12 +375,31 @@ class InputProcessor:
                 "supported yet)"
             )
         if not isinstance(value, str):
-            return f"the {side} text of the pair has type {_describe(value)}; expected a string"
+            return f"the {side} text of the pair has type {describe(value)}; expected a string"
         if value == "":
             return f"the {side} text of the pair is an empty string"
         if problem := unicode_problem(value):
             return f"the {side} text of the pair {problem}"
         return None
+
+    def _process_multimodal(
+        self, index: int, parsed: ParsedPrompt, params: PoolingParams
+    ) -> Request | RequestError:
+        """A prompt with images, through the model's prompt processor (placeholders, features)."""
+        assert self._mm is not None and parsed.text is not None  # parse_prompt took the images
+        try:
+            task = params.task or self.model_config.default_pooling_task
+            done = self._mm.process(parsed.text, parsed.mm_data["image"], task)
+        except (ValueError, OSError) as e:  # OSError: PIL's on truncated pixel data
+            return RequestError(index, str(e))
+        return self._make(
+            index,
+            done.prompt_token_ids,
+            None,
+            params,
+            mm_features=done.mm_features,
+            check_len=done.counts_toward_max_model_len,
+        )
 
     def _make(
         self,
@@ -427,8 +408,10 @@ class InputProcessor:
         token_types: list[int] | None,
         params: PoolingParams,
         num_attended_tokens: int | None = None,
+        mm_features: tuple[MultiModalFeature, ...] = (),
+        check_len: bool = True,
     ) -> Request | RequestError:
-        if error := self._check_len(len(ids)):
+        if check_len and (error := self._check_len(len(ids))):
             return RequestError(index, error)
         if token_types is not None and not any(token_types):
             token_types = None
@@ -438,6 +421,7 @@ class InputProcessor:
             pooling_params=params,
             token_type_ids=None if token_types is None else list(token_types),
             num_attended_tokens=num_attended_tokens,
+            mm_features=mm_features,
         )
 
     # ------------------------------------------------------------------ generation
@@ -458,6 +442,8 @@ class InputProcessor:
             p = self._parse(prompt)
             if isinstance(p, str):
                 results[i] = RequestError(i, p)
+            elif p.mm_data:
+                results[i] = RequestError(i, "multi_modal_data in generation is not supported yet")
             elif p.token_ids is not None:
                 token_ids[i] = p.token_ids
             else:

@@ -47,13 +47,18 @@ def block_extra_keys(request: Request, start: int, end: int) -> ExtraKeys | None
     """What besides the token ids decides the KV of tokens [start, end).
 
     Token type ids count only when some are non-zero (None means all zeros, so both share
-    blocks). Chaining carries a block's keys into every later hash.
+    blocks). An image's placeholders count with its content hash and where the block cuts its
+    range (the same placeholder ids of two images are different KV). Chaining carries a
+    block's keys into every later hash.
     """
     keys: list[object] = []
     if request.token_type_ids is not None:
         token_types = tuple(request.token_type_ids[start:end])
         if any(token_types):
             keys.append(("token_types", token_types))
+    for feature in request.mm_features:
+        if (part := feature.overlap(start, end)) is not None:
+            keys.append(("mm", feature.identifier, part[0] - feature.offset, part[1] - part[0]))
     return tuple(keys) or None
 
 

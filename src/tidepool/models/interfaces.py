@@ -19,6 +19,14 @@
       TokenWeightHead      compute_token_weights → [num_tokens]            (BGE-M3's sparse_linear)
       TokenVectorHead      compute_token_vectors → [num_tokens, dim]       (BGE-M3's colbert_linear)
       TokenClassifierHead  compute_token_logits → [num_tokens, num_labels] (*ForTokenClassification)
+    multi-modal (multimodal/features.py: MultiModalFeature, one image with its placeholder range):
+      MultiModalModel  embed_multimodal(features) → one [length, hidden] per item (the tower's
+                   rows, packed: many images per call); embed_input_ids(ids) → [num_tokens,
+                   hidden]; forward(..., inputs_embeds=) takes the step's merged embeddings
+                   (worker/multimodal.py scatters the items' rows at their placeholders)
+      DualTowerModel   pool_multimodal(features) → [num_items, embedding_size]: an image-only
+                   request's embedding (CLIP / SigLIP: vision tower + projection / head); texts
+                   run the EncoderModel forward and EmbeddingPoolingHead (the text tower)
     ExtraWeightFiles extra_weight_files: tensors kept in files beside the checkpoint (BGE-M3's
                    sparse_linear.pt, colbert_linear.pt)
     LoadableModel  load_weights(checkpoint tensors) → the parameter names filled (native models;
@@ -32,7 +40,7 @@ checks; the runner reads the declared members directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -48,6 +56,7 @@ from tidepool.attention.backend import (
     with_reduced_precision,
 )
 from tidepool.kv_cache.spec import KVCacheSpec
+from tidepool.multimodal.features import MultiModalFeature
 
 
 @runtime_checkable
@@ -213,6 +222,46 @@ class TokenClassifierHead(Protocol):
 
     def compute_token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_tokens, hidden] → logits [num_tokens, num_labels]."""
+        ...
+
+
+@runtime_checkable
+class MultiModalModel(Protocol):
+    """A model whose prompts hold images among their tokens (Qwen2-VL, ColQwen2, ColPali): the
+    runner (worker/multimodal.py) encodes each image once, when a step first schedules one of
+    its placeholders, caches the rows until the request has computed them all (a chunked
+    prompt encodes each image once), and hands forward the step's input embeddings with the
+    images' rows at their placeholders. Its `forward` (the EncoderModel or DecoderModel one)
+    takes `inputs_embeds` [num_tokens, hidden] as a keyword: given, it replaces the lookup of
+    `input_ids` (which the model may still read, e.g. for per-token rules)."""
+
+    supported_modalities: ClassVar[tuple[str, ...]]
+    """The modalities its features may have ("image",)."""
+
+    def embed_multimodal(self, features: Sequence[MultiModalFeature]) -> list[torch.Tensor]:
+        """Items of one step, of any requests → one [feature.length, hidden] tensor per item,
+        in order, in the model's dtype on its device (run packed: one tower call for all)."""
+        ...
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] → [num_tokens, hidden]: the embeddings forward would look up."""
+        ...
+
+
+@runtime_checkable
+class DualTowerModel(Protocol):
+    """Two towers into one space (CLIP, SigLIP). A text request runs the EncoderModel forward
+    (the text tower) and the model's own pooling (EmbeddingPoolingHead: EOS / last token, then
+    the projection); an image-only request (prompt "" + one image: its prompt_token_ids are the
+    placeholders, one per vision position) runs `pool_multimodal`. One step may hold both."""
+
+    supported_modalities: ClassVar[tuple[str, ...]]
+    image_embedding_size: int
+    """The width `pool_multimodal` returns (equal to the text side's embedding_size)."""
+
+    def pool_multimodal(self, features: Sequence[MultiModalFeature]) -> torch.Tensor:
+        """One item per image request → [num_items, image_embedding_size] (the vision tower over
+        all items packed, then its projection / head; not normalized)."""
         ...
 
 

@@ -32,6 +32,7 @@ from tidepool.request import Request
 from tidepool.utils.lists import filled
 from tidepool.worker.input_batch import CausalBatch, RequestStates, build_causal_batch
 from tidepool.worker.memory import NativeMemory
+from tidepool.worker.multimodal import MultiModalRunner
 from tidepool.worker.pooler import Pooler, PoolingMetadata
 from tidepool.worker.sampler import Sampler, SamplingMetadata
 
@@ -83,6 +84,8 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.model = _check_contract(build_model(config.model), config.model)
         self.pooler = Pooler(config.model, self.model)
+        self.multimodal = MultiModalRunner.for_model(self.model, self.pooler)
+        """Images: encoder cache and scatter (worker/multimodal.py); None for a text model."""
         # Sizes attention buckets; a model without attention heads (FNet, on the fallback): 1.
         self.num_heads = int(getattr(config.model.hf_config, "num_attention_heads", None) or 1)
         # positions are 0..len-1 per sequence: slices of one arange, made once.
@@ -189,6 +192,8 @@ class ModelRunner:
             ):
                 return ModelRunnerOutput(pooled=self._execute_encoder(sched_out))
         self.states.update(sched_out)
+        if self.multimodal is not None:
+            self.multimodal.free(sched_out.finished_req_ids | sched_out.restarted_req_ids)
         if sched_out.is_empty:
             return ModelRunnerOutput()
         batch = build_causal_batch(
@@ -202,7 +207,15 @@ class ModelRunner:
             output_rows_only=self._reads_last_rows_only(sched_out),
         )
         model = cast(DecoderModel, self.model)  # _check_contract: causal → DecoderModel
-        hidden = model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
+        hidden = model(
+            batch.input_ids,
+            batch.positions,
+            batch.attn_metadata,
+            self.kv_caches,
+            **self._inputs_embeds(
+                batch.input_ids, batch.requests, batch.context_lens, batch.query_lens
+            ),
+        )
         output_rows = batch.attn_metadata.output_rows
         if output_rows is not None and hidden.shape[0] != output_rows.shape[0]:
             hidden = hidden.index_select(0, output_rows)  # the model computed every row
@@ -225,6 +238,11 @@ class ModelRunner:
         # Longest first, so that sequences of similar length are neighbours: attention runs them
         # as a few padded buckets instead of one call per sequence (see attention/metadata.py).
         requests = sorted(sched_out.scheduled, key=lambda r: -r.num_prompt_tokens)
+        pooled: dict[str, torch.Tensor] = {}
+        if self.multimodal is not None:  # a dual tower's image requests: its vision side
+            requests, pooled = self.multimodal.pool_image_requests(requests)
+            if not requests:
+                return pooled
         seq_lens = [r.num_prompt_tokens for r in requests]
         device = self.device
         input_ids = torch.tensor(
@@ -251,22 +269,40 @@ class ModelRunner:
         attn_meta = self.attn_builder.build(step)
         params = _pooling_params(requests)
         model = cast(EncoderModel, self.model)  # _check_contract: not causal → EncoderModel
+        embeds = self._inputs_embeds(input_ids, requests, [0] * len(seq_lens), seq_lens)
         if self._pools_first_tokens_only(params):
             # hidden: [num_seqs, hidden], each sequence's first token; to the pooler every
             # sequence is then one row long, and CLS pooling reads that row.
             num_seqs = len(seq_lens)
-            hidden = model(input_ids, positions, attn_meta, token_type_ids, first_token_only=True)
+            hidden = model(
+                input_ids, positions, attn_meta, token_type_ids, first_token_only=True, **embeds
+            )
             pool_meta = PoolingMetadata(
                 seq_lens=[1] * num_seqs,
                 cu_seqlens=torch.arange(num_seqs + 1, dtype=torch.int64, device=device),
                 params=params,
             )
         else:
-            hidden = model(input_ids, positions, attn_meta, token_type_ids)
+            hidden = model(input_ids, positions, attn_meta, token_type_ids, **embeds)
             cu_seqlens = step.query_start_loc.to(device, non_blocking=True)
             pool_meta = PoolingMetadata(seq_lens, cu_seqlens, params, input_ids)
         outputs = self.pooler(hidden, pool_meta)
-        return {r.request_id: out for r, out in zip(requests, outputs, strict=True)}
+        pooled.update((r.request_id, out) for r, out in zip(requests, outputs, strict=True))
+        return pooled
+
+    def _inputs_embeds(
+        self,
+        input_ids: torch.Tensor,
+        requests: Sequence[Request],
+        context_lens: Sequence[int],
+        query_lens: Sequence[int],
+    ) -> dict[str, torch.Tensor]:
+        """{"inputs_embeds": the step's embeddings with its images' rows} where the step
+        schedules image placeholders (worker/multimodal.py), else {} (the model looks up ids)."""
+        if self.multimodal is None:
+            return {}
+        embeds = self.multimodal.inputs_embeds(input_ids, requests, context_lens, query_lens)
+        return {} if embeds is None else {"inputs_embeds": embeds}
 
     def _pools_first_tokens_only(self, params: list[PoolingParams]) -> bool:
         """True when the step's outputs read only each sequence's first token (CLS pooling, no
