@@ -19,7 +19,7 @@ from tidepool.attention.abstract import (
     DecoderAttentionBackend,
     EncoderAttentionBackend,
 )
-from tidepool.attention.common import AttentionMetadataBuilder, CommonAttentionMetadata
+from tidepool.attention.common import AttentionMetadataBuilder, CommonAttentionMetadata, LayerRows
 from tidepool.kv_cache.spec import KVCacheSpec, SlidingWindowSpec
 
 
@@ -45,9 +45,10 @@ def _attend_one(q, k, v, scale, visible=None, softcap=None):
 
 @dataclass(frozen=True)
 class EncoderSteps:
-    """This backend's encoder metadata: each sequence's start, length and key count."""
+    """This backend's encoder metadata: each sequence's start, length and key count; the
+    layers run on the packed tokens (rows), which the models read with seq_lens."""
 
-    cu_seqlens: torch.Tensor  # read by models on the packed layout
+    rows: LayerRows
     starts: list[int]
     seq_lens: list[int]
     key_lens: list[int]
@@ -57,14 +58,13 @@ class EncoderStepsBuilder(AttentionMetadataBuilder[EncoderSteps]):
     def build(self, common: CommonAttentionMetadata) -> EncoderSteps:
         starts = common.query_start_loc.tolist()
         keys = common.key_lens or common.seq_lens
-        return EncoderSteps(
-            common.query_start_loc.to(common.device), starts[:-1], common.seq_lens, keys
-        )
+        rows = LayerRows.packed(common.query_start_loc.to(common.device))
+        return EncoderSteps(rows, starts[:-1], common.seq_lens, keys)
 
 
 class ReferenceEncoderBackend(EncoderAttentionBackend):
     name = "reference_float64"
-    packed_layout = True
+    # provides nothing beyond the kernel calls: a model that needs more is refused
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> bool:

@@ -122,3 +122,103 @@ def test_the_step_description_is_neutral():
     assert isinstance(step, CommonAttentionMetadata)
     assert step.query_start_loc.tolist() == [0, 4, 6] and step.num_tokens == 6
     assert step.context_lens == [0, 0] and not step.causal and step.kv_groups == ()
+
+
+# ------------------------------------------------- what a model needs beyond the kernel calls
+
+
+@pytest.fixture(scope="module")
+def tiny_deberta(tmp_path_factory, minilm_path):
+    """A tiny DeBERTa-v3 embedder: its disentangled attention runs per padded bucket."""
+    import transformers
+    from conftest import copy_bert_tokenizer, write_st_pooling
+
+    folder = tmp_path_factory.mktemp("deberta_needs")
+    copy_bert_tokenizer(minilm_path, folder)
+    torch.manual_seed(5)
+    config = transformers.DebertaV2Config(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        relative_attention=True,
+        pos_att_type=["p2c", "c2p"],
+        position_buckets=16,
+        type_vocab_size=0,
+    )
+    transformers.DebertaV2Model(config).eval().save_pretrained(str(folder))
+    write_st_pooling(folder, "mean")
+    return str(folder)
+
+
+def test_the_registry_skips_a_backend_without_what_the_model_needs(
+    tiny_deberta, reference_backends
+):
+    """DeBERTa's spec needs padded_buckets: with the toy backend (which provides nothing
+    beyond its kernel calls) in front, the registry gives it bucketed SDPA, and the embeddings
+    are those of the default registry (the same backend: equal to the bit)."""
+    llm = LLM(tiny_deberta, device="cpu", dtype="float32")
+    runner = llm.engine.model_runner
+    assert runner.model.attention_backend is backend.BUCKETED_SDPA
+    ours = _embed(llm, TEXTS)
+    backend.ENCODER_BACKENDS.pop(REFERENCE_ENCODER.name)
+    expected = _embed(LLM(tiny_deberta, device="cpu", dtype="float32"), TEXTS)
+    assert torch.equal(ours, expected)
+    # Handed the toy backend after load, the model is refused when the runner asks for the
+    # builder (the next step), naming the model, what it needs and the backend, instead of
+    # failing inside a layer.
+    runner.model.set_attention_backend(REFERENCE_ENCODER)
+    with pytest.raises(ValueError, match=r"DebertaV2Model needs attention padded_buckets.*'ref"):
+        runner.attn_builder  # noqa: B018
+
+
+def test_a_load_is_refused_when_no_backend_provides_what_the_model_needs(tiny_deberta, monkeypatch):
+    monkeypatch.setattr(backend, "ENCODER_BACKENDS", {REFERENCE_ENCODER.name: REFERENCE_ENCODER})
+    with pytest.raises(
+        ValueError,
+        match=r"DebertaV2Model needs \(padded_buckets\).*"
+        r"registered: reference_float64",
+    ):
+        LLM(tiny_deberta, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("window,needs", [(8, {"banded"}), (4096, set())])
+def test_embedding_gemma_needs_banded_attention_only_past_its_window(
+    reference_backends, window, needs
+):
+    """EmbeddingGemma's sliding layers attend in a band once a sequence passes the window:
+    its spec needs banded attention then (the toy backend is skipped), and not when no
+    sequence can (max_position_embeddings <= the window: the toy backend runs it)."""
+    from transformers import Gemma3TextConfig
+
+    from tidepool.models.gemma_embed import Gemma3TextEncoderModel
+    from tidepool.models.interfaces import attach_attention_backend
+
+    config = Gemma3TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=window,
+        max_position_embeddings=512,
+        use_bidirectional_attention=True,
+    )
+    model = Gemma3TextEncoderModel(config)
+    cpu = torch.device("cpu")
+    assert model.attention_spec(cpu, torch.float32).needs == needs
+    attach_attention_backend(model, cpu, torch.float32)
+    chosen = model.attention_backend
+    assert (chosen is REFERENCE_ENCODER) == (not needs)
+    assert needs <= chosen.provides
+
+
+def test_a_spec_names_only_known_capabilities():
+    from tidepool.attention.backend import AttentionSpec
+
+    with pytest.raises(ValueError, match="unknown attention capabilities \\['flash'\\]"):
+        AttentionSpec(torch.device("cpu"), torch.float32, 32, 512, needs=frozenset({"flash"}))

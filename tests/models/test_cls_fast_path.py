@@ -19,6 +19,7 @@ from conftest import TINY_SIZES
 from tolerances import assert_close, float32_rtol
 
 from tidepool import PoolingParams
+from tidepool.attention.common import encoder_step
 from tidepool.attention.metadata import build_encoder_metadata
 
 # The tiny models' layers plus the head; the longest reduction is at most max_position_embeddings.
@@ -79,9 +80,10 @@ def _batch(llm, seq_lens: list[int], seed: int, with_token_types: bool):
     token_type_ids = None
     if with_token_types:
         token_type_ids = torch.cat([(torch.arange(n) >= n // 2).long() for n in seq_lens])
-    meta = build_encoder_metadata(
-        seq_lens, torch.device("cpu"), num_heads=config.num_attention_heads, dtype=torch.float32
+    step = encoder_step(
+        seq_lens, torch.device("cpu"), torch.float32, num_heads=config.num_attention_heads
     )
+    meta = llm.engine.model_runner.attn_builder.build(step)  # the model's backend's metadata
     return input_ids, positions, meta, token_type_ids
 
 
@@ -94,17 +96,18 @@ def test_first_token_rows_equal_full_forward(kind, seq_lens, tiny_llm):
     with_token_types = kind.startswith("bert")
     input_ids, positions, meta, token_type_ids = _batch(llm, seq_lens, 0, with_token_types)
     if seq_lens is SEQ_LENS:
-        buckets = meta.buckets
+        buckets = build_encoder_metadata(seq_lens, torch.device("cpu")).buckets
         assert len(buckets) >= 4 and any(b.key_mask is not None for b in buckets)
     full = model(input_ids, positions, meta, token_type_ids)
     fast = model(input_ids, positions, meta, token_type_ids, first_token_only=True)
-    expected = full.index_select(0, meta.cu_seqlens[:-1])
+    starts = torch.tensor([0, *seq_lens]).cumsum(0)[:-1]
+    expected = full.index_select(0, starts)
     assert fast.shape == (len(seq_lens), full.shape[1])
     assert_close(fast, expected, **BOUND, msg=kind)
     # A wrong row would be caught: the second token's state is far from the first's, farther than
     # the bound allows.
     has_second = torch.tensor(seq_lens) > 1
-    second = full[meta.cu_seqlens[:-1][has_second] + 1]
+    second = full[starts[has_second] + 1]
     assert float32_rtol(**BOUND) * expected.abs().max() < WRONG_ROW
     assert (second - expected[has_second]).abs().max() > WRONG_ROW
 

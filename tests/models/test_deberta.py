@@ -35,7 +35,8 @@ from sparse_models import NER_LABELS
 from tolerances import assert_close, assert_cosine_close, float32_rtol
 
 from tidepool import LLM, PoolingParams
-from tidepool.attention.metadata import build_encoder_metadata
+from tidepool.attention.common import encoder_step
+from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.models import deberta_v2
 
 RAW = PoolingParams(normalize=False)
@@ -206,13 +207,13 @@ def test_first_token_rows_equal_full_forward(kind, deberta_paths):
     positions = torch.cat([torch.arange(n) for n in seq_lens])
     token_types = torch.cat([(torch.arange(n) >= n // 2).long() for n in seq_lens])
     token_types = token_types if kind == "score" else None
-    meta = build_encoder_metadata(seq_lens, torch.device("cpu"), num_heads=2, dtype=torch.float32)
+    meta = _padded(body, seq_lens)
     assert len(meta.buckets) >= 4 and any(b.key_mask is not None for b in meta.buckets)
     full = body(input_ids, positions, meta, token_types)
     fast = body(input_ids, positions, meta, token_types, first_token_only=True)
-    expected = full.index_select(0, meta.cu_seqlens[:-1])
+    expected = full.index_select(0, meta.packed_buckets.cu_seqlens[:-1])
     assert_close(fast, expected, **BOUND)
-    second = full[meta.cu_seqlens[:-1][torch.tensor(seq_lens) > 1] + 1]
+    second = full[meta.packed_buckets.cu_seqlens[:-1][torch.tensor(seq_lens) > 1] + 1]
     assert (second - expected[torch.tensor(seq_lens) > 1]).abs().max() > 1e-2  # rows differ
 
 
@@ -299,6 +300,14 @@ def _sweep_lengths(config) -> list[int]:
     return sorted((n for n in lens if 1 <= n <= top), reverse=True)
 
 
+def _padded(body: deberta_v2.DebertaV2Model, seq_lens: list[int]) -> EncoderAttentionMetadata:
+    """The step's metadata as the body's backend builds it (padded buckets: PADDED_BUCKETS)."""
+    step = encoder_step(seq_lens, torch.device("cpu"), torch.float32, num_heads=2)
+    meta = body.attention_backend.metadata_builder().build(step)
+    assert isinstance(meta, EncoderAttentionMetadata)
+    return meta
+
+
 def _tidepool_body(reference: torch.nn.Module) -> deberta_v2.DebertaV2Model:
     """tidepool's DebertaV2Model on `reference`'s weights, prepared as the loader prepares it."""
     model = deberta_v2.DebertaV2Model(reference.config)
@@ -323,7 +332,7 @@ def test_body_matches_transformers(name):
     types = (
         [(torch.arange(n) >= n // 2).long() for n in seq_lens] if config.type_vocab_size else None
     )
-    meta = build_encoder_metadata(seq_lens, torch.device("cpu"), num_heads=2, dtype=torch.float32)
+    meta = _padded(ours, seq_lens)
     assert any(b.key_mask is not None for b in meta.buckets)  # a padded bucket
     positions = torch.cat([torch.arange(n) for n in seq_lens])
     packed_types = None if types is None else torch.cat(types)

@@ -149,7 +149,7 @@ def test_encoder_on_the_kernel_matches_the_sdpa_path(dtype, atol, tmp_path):
     from transformers import BertConfig
 
     from tidepool.attention.backend import BUCKETED_SDPA, CPU_KERNEL, select_encoder_backend
-    from tidepool.attention.metadata import build_encoder_metadata
+    from tidepool.attention.common import encoder_step
     from tidepool.models.bert import BertModel
 
     torch.manual_seed(0)
@@ -172,12 +172,14 @@ def test_encoder_on_the_kernel_matches_the_sdpa_path(dtype, atol, tmp_path):
     lens = [70, 66, 40, 9, 3, 1]
     ids = torch.randint(0, 120, (sum(lens),))
     pos = torch.cat([torch.arange(n) for n in lens])
-    meta = build_encoder_metadata(lens, torch.device("cpu"), num_heads=2, dtype=dtype)
+    step = encoder_step(lens, torch.device("cpu"), dtype, num_heads=2)
     with torch.inference_mode():
-        fast = model(ids, pos, meta)
         assert model.attention_backend is CPU_KERNEL
+        meta = CPU_KERNEL.metadata_builder().build(step)  # each backend's own metadata
+        fast = model(ids, pos, meta)
         fast_cls = model(ids, pos, meta, first_token_only=True)
         model.set_attention_backend(BUCKETED_SDPA)
+        meta = BUCKETED_SDPA.metadata_builder().build(step)
         slow = model(ids, pos, meta)
         slow_cls = model(ids, pos, meta, first_token_only=True)
     assert (fast.float() - slow.float()).abs().max().item() <= atol
@@ -322,25 +324,25 @@ def test_every_backend_honours_key_counts(entry):
     """The metadata's key_lens through each encoder backend that runs here (SDPA: the buckets'
     key masks, packed rows gathered; the kernel: its key counts) against the reference."""
     from tidepool.attention.backend import ENCODER_BACKENDS, AttentionSpec
-    from tidepool.attention.metadata import build_encoder_metadata, pad_buckets
+    from tidepool.attention.common import encoder_step
 
     spec = AttentionSpec(torch.device("cpu"), torch.float32, 32, 512)
     lens, keys = KEY_SEQ_LENS, KEY_LENS
     qkv, starts = _packed(lens, 2, 32, torch.float32, seed=7)
-    meta = build_encoder_metadata(lens, torch.device("cpu"), num_heads=2, key_lens=keys)
-    assert meta.key_lens == keys and any(b.key_mask is not None for b in meta.buckets)
+    step = encoder_step(lens, torch.device("cpu"), torch.float32, num_heads=2, key_lens=keys)
     ref = _reference(qkv, starts, lens, 0.2, key_lens=keys)
     for backend in [b for b in ENCODER_BACKENDS.values() if b.supports(spec)]:
+        # Each backend's own metadata, on the rows its builder chose (SDPA: padded buckets
+        # whose key masks carry the counts; the kernel: the packed tokens and its key counts).
+        meta = backend.metadata_builder().build(step)
+        rows = meta.rows.gather(qkv)
         if entry == "attend_heads":
-            q, k, v = qkv.unbind(1)
-            out = backend.attend_heads(q, k, v, meta, 0.2)
-        elif backend.packed_layout:
-            out = getattr(backend, entry)(qkv, meta, 0.2)
-        else:  # the padded layout, as the native encoders run SDPA
-            layout = pad_buckets(meta)
-            out = getattr(backend, entry)(qkv[layout.token_index], layout.metadata, 0.2)
-            if entry == "attend":
-                out = out[layout.slot_of_token]
+            q, k, v = rows.unbind(1)
+            out = meta.rows.to_tokens(backend.attend_heads(q, k, v, meta, 0.2))
+        elif entry == "attend":
+            out = meta.rows.to_tokens(backend.attend(rows, meta, 0.2))
+        else:
+            out = backend.attend_first_tokens(rows, meta, 0.2)
         expected = ref[starts] if entry == "attend_first_tokens" else ref
         err = (out.double() - expected).abs().max().item()
         assert err <= 1e-5, (backend.name, err)

@@ -8,9 +8,25 @@ A backend is three things, chosen together once per model at load:
 and a decoder backend owns its KV-cache layout (kv_cache_shape): the runner allocates the bytes
 (paged.allocate_kv_caches), the backend says what shape each layer's view has.
 
-The metadata a model reads besides handing it to the backend: on the packed layout (encoders
-with packed_layout True) `cu_seqlens` ([num_seqs + 1] on the device); a decoder model reads
-`output_rows`, `for_layer(i)` and `for_output_rows(i)` (DecoderStepMetadata).
+The metadata a model reads besides handing it to the backend: an encoder model its `rows`
+(common.LayerRows: where the layers hold the tokens, packed or the builder's padded slots) and
+`seq_lens` (EncoderStepMetadata); a decoder model `output_rows`, `for_layer(i)` and
+`for_output_rows(i)` (DecoderStepMetadata).
+
+What more a model may ask of an encoder backend is named (capabilities): a model's
+AttentionSpec lists what it `needs`, a backend what it `provides`; the registry picks the first
+backend that supports the spec and provides its needs, and a model handed a backend without
+them is refused at load, naming both (backend.check_provides):
+
+    BANDED          attend_banded(q, k, v, meta, scale, window, causal): attention inside each
+                    sequence within a band |q - k| < window and / or causal (EmbeddingGemma's
+                    and ModernBERT's sliding-window layers, a causal text tower)
+    PACKED_BUCKETS  meta.packed_buckets: the step's buckets of similar lengths over the packed
+                    tokens (metadata.EncoderAttentionMetadata), for a model that pads its own
+                    batches (the transformers fallback runs the HF model per bucket)
+    PADDED_BUCKETS  meta itself is an EncoderAttentionMetadata whose buckets are plain
+                    [num_seqs, max_len] slices of the layers' rows, for a model that attends
+                    per bucket itself (DeBERTa's disentangled attention)
 """
 
 from __future__ import annotations
@@ -23,9 +39,15 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from tidepool import envs
-from tidepool.attention.common import AttentionMetadataBuilder
+from tidepool.attention.common import AttentionMetadataBuilder, LayerRows
 from tidepool.attention.relative_bias import RelativePositionBias
 from tidepool.kv_cache.spec import KVCacheSpec
+
+BANDED = "banded"
+PACKED_BUCKETS = "packed_buckets"
+PADDED_BUCKETS = "padded_buckets"
+CAPABILITIES = (BANDED, PACKED_BUCKETS, PADDED_BUCKETS)
+"""What an encoder backend may provide beyond its kernel calls (the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,13 @@ class AttentionSpec:
     matmul: str = "float32"
     """The precision the attention's two products may take (cpu_kernels.MATMULS): "float32"
     (exact), or "bf16" / "bf16x3" where the model allows reduced precision."""
+    needs: frozenset[str] = frozenset()
+    """The capabilities (CAPABILITIES) the model's layers use beyond the kernel calls."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(self.needs - set(CAPABILITIES))
+        if unknown:
+            raise ValueError(f"unknown attention capabilities {unknown}; known: {CAPABILITIES}")
 
 
 REDUCED_MATMUL = {torch.bfloat16: "bf16", torch.float32: "bf16"}
@@ -66,16 +95,30 @@ def with_reduced_precision(spec: AttentionSpec) -> AttentionSpec:
 # ----------------------------------------------------------------------------- encoders
 
 
+class EncoderStepMetadata(Protocol):
+    """What an encoder model reads of its backend's step metadata (the rest is the backend's)."""
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Tokens per sequence, in flat order."""
+        ...
+
+    @property
+    def rows(self) -> LayerRows:
+        """Where the layers hold the tokens (the model gathers its inputs into them once)."""
+        ...
+
+
 class EncoderAttentionBackend(ABC):
     """Bidirectional attention inside each packed sequence of a step. Stateless: one instance
     serves every layer and every model. Every token of a sequence is a query; its keys are all
     its tokens, or its first key_lens[i] when the step has key counts (common.py). `meta` of the
-    kernel calls is what this backend's metadata_builder built for the step."""
+    kernel calls is what this backend's metadata_builder built for the step: q, k, v and the
+    outputs are on its `rows`."""
 
     name: ClassVar[str]
-    packed_layout: ClassVar[bool]
-    """True: the layers run on the packed tokens (the metadata as built); False: on the padded
-    layout of metadata.pad_buckets, whose buckets are plain slices."""
+    provides: ClassVar[frozenset[str]] = frozenset()
+    """The capabilities (CAPABILITIES) this backend's metadata and calls offer."""
 
     @classmethod
     @abstractmethod
@@ -83,7 +126,7 @@ class EncoderAttentionBackend(ABC):
         """Whether this backend runs a model with `spec` here (may build a kernel: call once)."""
 
     @abstractmethod
-    def metadata_builder(self) -> AttentionMetadataBuilder[Any]:
+    def metadata_builder(self) -> AttentionMetadataBuilder[EncoderStepMetadata]:
         """The builder of this backend's step metadata (one per model, made at load)."""
 
     @abstractmethod
@@ -118,6 +161,20 @@ class EncoderAttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [num_rows, heads, D], k / v: [num_rows, kv_heads, D] (strided views, kv_heads
         dividing heads) → [num_rows, heads * D]. The transformers backend's layers call this."""
+
+    def attend_banded(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: Any,
+        scale: float,
+        window: int | None,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        """attend_heads within a band (BANDED): key k visible to query q when |q - k| < window;
+        `causal`: keys k <= q only, and with a window 0 <= q - k < window."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not provide {BANDED!r}")
 
     def for_spec(self, spec: AttentionSpec) -> EncoderAttentionBackend:
         """The instance that runs `spec` (after `supports(spec)`): this one, unless the backend

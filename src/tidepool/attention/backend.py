@@ -5,9 +5,10 @@ neutral description) → the backend's builder → its metadata. One module per 
 
     encoder backends (bidirectional, packed sequences, no KV cache), in order of preference
       cpu_kernel      tidepool's AVX-512 variable-length kernel (backends/cpu_kernel.py): the layers
-                      run on the packed tokens, no buckets, no mask
-      bucketed_sdpa   torch SDPA per bucket of similar lengths (backends/bucketed_sdpa.py), padded
-                      layout (metadata.pad_buckets); runs wherever torch runs
+                      run on the packed tokens, no buckets, no mask; provides banded, packed_buckets
+      bucketed_sdpa   torch SDPA per bucket of similar lengths (backends/bucketed_sdpa.py), the
+                      layers on padded slots (metadata.pad_buckets); runs wherever torch runs;
+                      provides banded, packed_buckets, padded_buckets
     Both take an optional relative position bias (relative_bias.py: MPNet's): the kernel reads it
     per head by key - query distance, SDPA gets it as a dense additive mask per bucket. Both
     take per-sequence key counts (metadata.key_lens): the kernel as an argument, SDPA in the
@@ -17,7 +18,10 @@ neutral description) → the backend's builder → its metadata. One module per 
                       in-place decode kernel for short rows (backends/paged_sdpa.py)
 
 `select_encoder_backend(spec)` / `select_decoder_backend(spec)` return the first registered
-backend whose `supports(spec)` holds. The loader (model_loader/registry.py, the transformers backend)
+backend whose `supports(spec)` holds and that provides what the spec `needs` (abstract.py's
+capabilities: DeBERTa needs padded_buckets, so it takes bucketed_sdpa; none left: the load is
+refused naming the model and the backends); `check_provides` refuses a backend handed over by
+other means. The loader (model_loader/registry.py, the transformers backend)
 calls them once, after the weights reached their device and dtype, and hands the result to the
 model (`set_attention_backend`); the CPU kernel is therefore built while the model loads, not
 inside its first request. A CUDA backend (flash-attention varlen, paged decode) registers in front
@@ -46,11 +50,16 @@ Where the CPU has neither, the kernel keeps float32. One backend instance per mo
 from __future__ import annotations
 
 from tidepool.attention.abstract import (
+    BANDED,
+    CAPABILITIES,
+    PACKED_BUCKETS,
+    PADDED_BUCKETS,
     REDUCED_MATMUL,
     AttentionSpec,
     DecoderAttentionBackend,
     DecoderStepMetadata,
     EncoderAttentionBackend,
+    EncoderStepMetadata,
     reduced_precision_matmul,
     with_reduced_precision,
 )
@@ -59,7 +68,11 @@ from tidepool.attention.backends.cpu_kernel import CPU_KERNEL, CPU_KERNEL_AMX, C
 from tidepool.attention.backends.paged_sdpa import PAGED_SDPA, PagedSdpaBackend
 
 __all__ = [
+    "BANDED",
     "BUCKETED_SDPA",
+    "CAPABILITIES",
+    "PACKED_BUCKETS",
+    "PADDED_BUCKETS",
     "CPU_KERNEL",
     "CPU_KERNEL_AMX",
     "DECODER_BACKENDS",
@@ -72,7 +85,9 @@ __all__ = [
     "DecoderAttentionBackend",
     "DecoderStepMetadata",
     "EncoderAttentionBackend",
+    "EncoderStepMetadata",
     "PagedSdpaBackend",
+    "check_provides",
     "reduced_precision_matmul",
     "register_decoder_backend",
     "register_encoder_backend",
@@ -110,16 +125,48 @@ def _register(registry: dict, backend, first: bool) -> None:
     registry.update(entries)
 
 
-def select_encoder_backend(spec: AttentionSpec) -> EncoderAttentionBackend:
-    """The first encoder backend (ENCODER_BACKENDS order) that supports `spec`."""
+def missing_capabilities(backend: object, spec: AttentionSpec) -> list[str]:
+    """What `spec` needs that `backend` does not provide (decoder backends provide none)."""
+    return sorted(spec.needs - getattr(backend, "provides", frozenset()))
+
+
+def check_provides(backend: object, spec: AttentionSpec, model_name: str) -> None:
+    """Refuse `backend` for a model whose attention spec needs what it does not provide."""
+    missing = missing_capabilities(backend, spec)
+    if missing:
+        name = getattr(backend, "name", type(backend).__name__)
+        raise ValueError(
+            f"{model_name} needs attention {', '.join(missing)}, which backend {name!r} does "
+            f"not provide (attention/abstract.py); backends that do: {_providers(spec)}"
+        )
+
+
+def _providers(spec: AttentionSpec) -> str:
+    names = [n for n, b in ENCODER_BACKENDS.items() if not missing_capabilities(b, spec)]
+    return ", ".join(names) or "none registered"
+
+
+def select_encoder_backend(
+    spec: AttentionSpec, model_name: str = "the model"
+) -> EncoderAttentionBackend:
+    """The first encoder backend (ENCODER_BACKENDS order) that supports `spec` and provides
+    what it needs."""
     for backend in ENCODER_BACKENDS.values():
-        if backend.supports(spec):
+        if not missing_capabilities(backend, spec) and backend.supports(spec):
             return backend.for_spec(spec)
+    if spec.needs:
+        raise ValueError(
+            f"no encoder attention backend both supports {spec} and provides what "
+            f"{model_name} needs ({', '.join(sorted(spec.needs))}); registered: "
+            f"{', '.join(ENCODER_BACKENDS)}"
+        )
     raise ValueError(f"no encoder attention backend supports {spec}")
 
 
 def select_decoder_backend(spec: AttentionSpec) -> DecoderAttentionBackend:
     """The first decoder backend (DECODER_BACKENDS order) that supports `spec`."""
+    if spec.needs:
+        raise ValueError(f"decoder attention backends provide none of {sorted(spec.needs)}")
     for backend in DECODER_BACKENDS.values():
         if backend.supports(spec):
             return backend

@@ -28,6 +28,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Generic, TypeVar
 
 import torch
@@ -126,6 +127,54 @@ def slot_mapping_of(
     token_seq and positions: CPU tensors, see CommonAttentionMetadata)."""
     block_ids = block_table[token_seq, torch.div(positions, block_size, rounding_mode="floor")]
     return (block_ids * block_size + positions % block_size).to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """Where an encoder's layers hold the step's tokens, as its backend's builder chose: the
+    packed tokens themselves (a variable-length kernel), or another row order (bucketed SDPA's
+    padded buckets, metadata.pad_buckets). A model spreads its per-token inputs with `gather`
+    once, runs its layers on the rows, and takes the hidden states back with `to_tokens`; it
+    never lays the rows out itself.
+
+    Worked example, padded buckets of lengths (3, 2) in one bucket of max_len 3:
+        token_index [0, 1, 2, 3, 4, 3]   (row 5 is padding: it repeats token 3, masked as a key)
+        row_of_token [0, 1, 2, 3, 4]     first_rows [0, 3]
+    """
+
+    token_index: torch.Tensor | None
+    """[num_rows] the packed token each row holds; None: row i is packed token i."""
+    row_of_token: torch.Tensor | None
+    """[num_tokens] the row that holds each packed token; None: the same."""
+    first_row_starts: torch.Tensor | None = None
+    """Packed rows: [num_seqs] each sequence's first token (cu_seqlens[:-1]); None: the rows'
+    own first rows are `first_rows_of` of the builder's buckets."""
+    bucket_shapes: tuple[tuple[int, int, int], ...] = ()
+    """Padded rows: (first row, end row, max_len) per bucket, for first_rows."""
+
+    @classmethod
+    def packed(cls, cu_seqlens: torch.Tensor) -> LayerRows:
+        """The packed tokens as the rows (cu_seqlens: [num_seqs + 1] on the device)."""
+        return cls(None, None, cu_seqlens[:-1])
+
+    def gather(self, per_token: torch.Tensor | None) -> torch.Tensor | None:
+        """A per-token input [num_tokens, ...] → the rows' [num_rows, ...] (None stays None)."""
+        if per_token is None or self.token_index is None:
+            return per_token
+        return per_token[self.token_index]
+
+    def to_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """The layers' output [num_rows, ...] → [num_tokens, ...] in packed order."""
+        return rows if self.row_of_token is None else rows.index_select(0, self.row_of_token)
+
+    @cached_property
+    def first_rows(self) -> torch.Tensor:
+        """[num_seqs] the row of each sequence's first token, in sequence order (what CLS
+        pooling and a first-token-only last layer read); made on first use."""
+        if self.first_row_starts is not None:
+            return self.first_row_starts
+        device = self.row_of_token.device if self.row_of_token is not None else None
+        return torch.cat([torch.arange(s, e, n, device=device) for s, e, n in self.bucket_shapes])
 
 
 M = TypeVar("M", covariant=True)

@@ -25,11 +25,11 @@ packed order once. Worked example above: 21 + 3 = 24 slots for 23 tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from tidepool.attention.common import AttentionMetadataBuilder, CommonAttentionMetadata
+from tidepool.attention.common import AttentionMetadataBuilder, CommonAttentionMetadata, LayerRows
 
 # A bucket's padded attention scores stay below this many elements (bounds memory).
 _MAX_BUCKET_SCORE_ELEMS = 1 << 26
@@ -61,6 +61,9 @@ class EncoderAttentionMetadata:
     cu_seqlens: torch.Tensor
     """[num_seqs + 1] int64: sequence i is flat tokens cu_seqlens[i]:cu_seqlens[i+1]."""
     buckets: list[AttentionBucket]
+    rows: LayerRows
+    """Where the layers hold the tokens: packed (build_encoder_metadata), or the padded
+    buckets' slots (pad_buckets)."""
     seq_lens_tensor: torch.Tensor | None = None
     """[num_seqs] int64 seq_lens (on the device), for kernels that take the lengths."""
     key_lens: list[int] | None = None
@@ -68,6 +71,18 @@ class EncoderAttentionMetadata:
     every sequence (set only when some sequence has fewer keys than tokens)."""
     key_lens_tensor: torch.Tensor | None = None
     """[num_seqs] int64 key_lens (on the device), for kernels; None when key_lens is."""
+    packed: EncoderAttentionMetadata | None = None
+    """The padded layout's: the buckets over the packed tokens it was laid out from."""
+    band_masks: dict[tuple[int, int, bool], torch.Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """The step's band masks (torch_backend.encoder_attention_heads), made once per shape."""
+
+    @property
+    def packed_buckets(self) -> EncoderAttentionMetadata:
+        """These buckets over the packed tokens (gathering their padded slots): what a model
+        that pads its own batches reads (the transformers fallback)."""
+        return self if self.packed is None else self.packed
 
 
 def build_encoder_metadata(
@@ -103,11 +118,13 @@ def build_encoder_metadata(
             _make_bucket(seq_lens[i:j], bucket_keys, cu[i], cu[j], max_len, device, dtype)
         )
         i = j
+    cu_seqlens = torch.tensor(cu, dtype=torch.int64, device=device)
     return EncoderAttentionMetadata(
         num_tokens=cu[-1],
         seq_lens=list(seq_lens),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
+        cu_seqlens=cu_seqlens,
         buckets=buckets,
+        rows=LayerRows.packed(cu_seqlens),
         seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         key_lens=key_lens,
         key_lens_tensor=None
@@ -205,34 +222,35 @@ def pad_buckets(meta: EncoderAttentionMetadata) -> PaddedLayout:
             )
         )
         offset += num_slots
-    padded = replace(meta, num_tokens=offset, buckets=buckets)
-    return PaddedLayout(torch.cat(token_index), torch.cat(slot_of_token), padded)
+    index, slot_of = torch.cat(token_index), torch.cat(slot_of_token)
+    if offset == meta.num_tokens:  # no padding: the slots are the packed tokens, in order
+        rows = LayerRows.packed(meta.cu_seqlens)
+    else:
+        shapes = tuple((b.start, b.end, b.max_len) for b in buckets)
+        rows = LayerRows(index, slot_of, bucket_shapes=shapes)
+    padded = replace(meta, num_tokens=offset, buckets=buckets, rows=rows, packed=meta)
+    return PaddedLayout(index, slot_of, padded)
 
 
-def first_token_slots(meta: EncoderAttentionMetadata) -> torch.Tensor:
-    """[num_seqs] the slot of each sequence's first token, in sequence order.
-
-    For a layout whose buckets are plain slices (pad_buckets' metadata, or a packed step): bucket
-    rows are [num_seqs, max_len], so sequence j of a bucket starts at slot start + j * max_len.
-    """
-    device = meta.cu_seqlens.device
-    return torch.cat([torch.arange(b.start, b.end, b.max_len, device=device) for b in meta.buckets])
-
-
-class EncoderBucketsBuilder(AttentionMetadataBuilder[EncoderAttentionMetadata]):
-    """The encoder step's buckets, lengths and key counts (build_encoder_metadata): the builder
-    of the bucketed SDPA backend, and of the CPU kernel (it reads the lengths; the layers it
-    cannot take, a head width it was not built for or a sliding window, fall back to the
-    buckets)."""
+class PaddedBucketsBuilder(AttentionMetadataBuilder[EncoderAttentionMetadata]):
+    """The bucketed SDPA backend's builder: the step's buckets (build_encoder_metadata) laid
+    out as padded slots (pad_buckets), so that every layer attends plain slices; the layers'
+    rows are those slots (`rows`), and `packed_buckets` keeps the buckets over the packed
+    tokens."""
 
     def build(self, common: CommonAttentionMetadata) -> EncoderAttentionMetadata:
-        return build_encoder_metadata(
-            common.seq_lens,
-            common.device,
-            num_heads=common.num_heads,
-            dtype=common.dtype,
-            key_lens=common.key_lens,
-        )
+        return pad_buckets(build_buckets(common)).metadata
 
 
-ENCODER_BUCKETS = EncoderBucketsBuilder()
+def build_buckets(common: CommonAttentionMetadata) -> EncoderAttentionMetadata:
+    """The buckets of an encoder step over its packed tokens."""
+    return build_encoder_metadata(
+        common.seq_lens,
+        common.device,
+        num_heads=common.num_heads,
+        dtype=common.dtype,
+        key_lens=common.key_lens,
+    )
+
+
+PADDED_BUCKETS_BUILDER = PaddedBucketsBuilder()

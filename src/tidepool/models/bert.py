@@ -1,7 +1,7 @@
 """BERT, RoBERTa and XLM-RoBERTa encoders and their sequence-classification heads, on packed tokens.
 
 Every module takes the flat batch: `input_ids [num_tokens]`, `positions [num_tokens]` (0-based within
-each sequence) and `EncoderAttentionMetadata`. Module names follow Hugging Face's so weights map
+each sequence) and `EncoderStepMetadata`. Module names follow Hugging Face's so weights map
 one to one, except query / key / value, which are fused into one `qkv` projection (one GEMM
 instead of three).
 """
@@ -14,9 +14,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
+from tidepool.attention.backend import (
+    BUCKETED_SDPA,
+    AttentionSpec,
+    EncoderAttentionBackend,
+    EncoderStepMetadata,
+)
 from tidepool.attention.layer import Attention, AttentionModel
-from tidepool.attention.metadata import EncoderAttentionMetadata, first_token_slots, pad_buckets
 from tidepool.models.layers.linear import Linear
 from tidepool.models.quantizable import (
     ATTENTION_OUT,
@@ -85,11 +89,11 @@ class BertSelfAttention(nn.Module):
         self.qkv = Linear(config.hidden_size, 3 * config.hidden_size)
         self.attn = Attention(BUCKETED_SDPA)
 
-    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: EncoderStepMetadata) -> torch.Tensor:
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
         return self.attn.backend.attend(qkv, meta, self.scale)
 
-    def forward_first_tokens(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+    def forward_first_tokens(self, x: torch.Tensor, meta: EncoderStepMetadata) -> torch.Tensor:
         """x: [num_slots, hidden] → [num_seqs, hidden]: queries at each sequence's first slot."""
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
         return self.attn.backend.attend_first_tokens(qkv, meta, self.scale)
@@ -114,7 +118,7 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertDenseLayerNorm(config.hidden_size, config)
 
-    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: EncoderStepMetadata) -> torch.Tensor:
         return self.output.forward(self.self.forward(x, meta), x)
 
 
@@ -153,12 +157,12 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertDenseLayerNorm(config.intermediate_size, config)
 
-    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: EncoderStepMetadata) -> torch.Tensor:
         x = self.attention.forward(x, meta)
         return self.output.forward(self.intermediate.dense(x), x)
 
     def forward_first_tokens(
-        self, x: torch.Tensor, meta: EncoderAttentionMetadata, first_slots: torch.Tensor
+        self, x: torch.Tensor, meta: EncoderStepMetadata, first_slots: torch.Tensor
     ) -> torch.Tensor:
         """The layer's output at `first_slots` only: x [num_slots, hidden] → [num_seqs, hidden].
 
@@ -179,7 +183,7 @@ class BertEncoder(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        meta: EncoderAttentionMetadata,
+        meta: EncoderStepMetadata,
         first_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [num_slots, hidden] → [num_slots, hidden], or [num_seqs, hidden] (the rows at
@@ -261,34 +265,21 @@ class BertModel(AttentionModel, nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: EncoderAttentionMetadata,
+        attn_metadata: EncoderStepMetadata,
         token_type_ids: torch.Tensor | None = None,
         first_token_only: bool = False,
     ) -> torch.Tensor:
         """→ [num_tokens, hidden] in packed order; with `first_token_only`, [num_seqs, hidden]:
         each sequence's first token (what CLS pooling reads), the last layer computing only those
-        rows (~1/num_layers of the FLOPs saved)."""
-        if self.attention_backend.packed_layout:
-            # Packed tokens, each sequence attended to by a variable-length kernel.
-            x = self.embeddings(input_ids, positions, token_type_ids)
-            if first_token_only:
-                return self.encoder(x, attn_metadata, attn_metadata.cu_seqlens[:-1])
-            return self.encoder(x, attn_metadata)
-        # Else the layers run on the padded layout (attention/metadata.py): ids in, hidden
-        # states out.
-        layout = pad_buckets(attn_metadata)
-        if layout.is_packed:
-            # No padding: the slots are the packed tokens (layout.metadata == attn_metadata).
-            x = self.embeddings(input_ids, positions, token_type_ids)
-        else:
-            slots = layout.token_index
-            if token_type_ids is not None:
-                token_type_ids = token_type_ids[slots]
-            x = self.embeddings(input_ids[slots], positions[slots], token_type_ids)
+        rows. The layers run on the rows the backend's builder chose (attention/common.py
+        LayerRows: the packed tokens, or padded buckets' slots)."""
+        rows = attn_metadata.rows
+        x = self.embeddings(
+            rows.gather(input_ids), rows.gather(positions), rows.gather(token_type_ids)
+        )
         if first_token_only:
-            return self.encoder(x, layout.metadata, first_token_slots(layout.metadata))
-        x = self.encoder(x, layout.metadata)
-        return x if layout.is_packed else x.index_select(0, layout.slot_of_token)
+            return self.encoder(x, attn_metadata, rows.first_rows)
+        return rows.to_tokens(self.encoder(x, attn_metadata))
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → our parameter name; None = not ours (skipped)."""
@@ -346,7 +337,7 @@ class EncoderWithHead(AttentionModel, nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: EncoderAttentionMetadata,
+        attn_metadata: EncoderStepMetadata,
         token_type_ids: torch.Tensor | None = None,
         first_token_only: bool = False,
     ) -> torch.Tensor:

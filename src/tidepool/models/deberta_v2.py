@@ -14,8 +14,9 @@ max_relative_positions (-1: max_position_embeddings); span is position_buckets, 
 max_relative_positions. With conv_kernel_size (DeBERTa-v2 xlarge / xxlarge) a convolution over the
 embeddings joins the first layer's output (DebertaV2ConvLayer).
 
-The layers run on the padded layout (attention/metadata.pad_buckets): each bucket of similar lengths
-is a [num_seqs, L] block, and its attention is one SDPA call whose additive mask carries the two
+The layers run on the padded layout (attention/metadata.pad_buckets), which the model's attention
+spec asks its backend for (PADDED_BUCKETS: the registry gives it bucketed SDPA, and refuses a
+backend without it at load): each bucket of similar lengths is a [num_seqs, L] block, and its attention is one SDPA call whose additive mask carries the two
 position terms (gathered from [L, R] products, R <= 2 L - 1 the distinct relative rows a length-L
 bucket can use) plus -inf at padding keys. Per step the relative rows are projected once per layer,
 only those the step's longest bucket reaches.
@@ -31,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
-from tidepool.attention.metadata import (
-    AttentionBucket,
-    EncoderAttentionMetadata,
-    first_token_slots,
-    pad_buckets,
+from tidepool.attention.backend import (
+    BUCKETED_SDPA,
+    PADDED_BUCKETS,
+    AttentionSpec,
+    EncoderAttentionBackend,
 )
+from tidepool.attention.metadata import AttentionBucket, EncoderAttentionMetadata
 from tidepool.models.bert import (
     BertDenseLayerNorm,
     BertIntermediate,
@@ -387,11 +388,18 @@ class DebertaV2Model(nn.Module):
         self.embeddings = DebertaV2Embeddings(config)
         self.encoder = DebertaV2Encoder(config)
         self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
-        """Unused by the layers (their attention is their own, on padded buckets)."""
+        """Its builder lays the step out in padded buckets; the layers attend them themselves."""
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        """The disentangled attention runs per padded bucket: it needs PADDED_BUCKETS."""
         head_dim = self.config.hidden_size // self.config.num_attention_heads
-        return AttentionSpec(device, dtype, head_dim, self.config.max_position_embeddings)
+        return AttentionSpec(
+            device,
+            dtype,
+            head_dim,
+            self.config.max_position_embeddings,
+            needs=frozenset({PADDED_BUCKETS}),
+        )
 
     def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
         self.attention_backend = backend
@@ -414,15 +422,15 @@ class DebertaV2Model(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         first_token_only: bool = False,
     ) -> torch.Tensor:
-        layout = pad_buckets(attn_metadata)
-        slots = layout.token_index
-        if token_type_ids is not None:
-            token_type_ids = token_type_ids[slots]
-        x = self.embeddings(input_ids[slots], positions[slots], token_type_ids)
+        """`attn_metadata`: the padded buckets (PADDED_BUCKETS) its backend's builder made."""
+        if any(b.gather_index is not None for b in attn_metadata.buckets):
+            raise ValueError("DeBERTa-v2 runs on padded buckets (metadata.pad_buckets' layout)")
+        rows = attn_metadata.rows
+        types = rows.gather(token_type_ids)
+        x = self.embeddings(rows.gather(input_ids), rows.gather(positions), types)
         if first_token_only:
-            return self.encoder(x, layout.metadata, first_token_slots(layout.metadata))
-        x = self.encoder(x, layout.metadata)
-        return x if layout.is_packed else x.index_select(0, layout.slot_of_token)
+            return self.encoder(x, attn_metadata, rows.first_rows)
+        return rows.to_tokens(self.encoder(x, attn_metadata))
 
     def map_weight_name(self, name: str) -> str | None:
         name = name.removeprefix(self.body_prefix)

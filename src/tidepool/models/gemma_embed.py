@@ -20,9 +20,10 @@ modeling_gemma3 with the flag:
       q = 5 sees k = 3, 4, 5, 6, 7 (|q - k| <= 2).
 - Attention backends: full layers call the backend the loader chose (the CPU kernel takes head_dim
   32 / 64 / 128 only, so EmbeddingGemma's 256-wide heads run on bucketed SDPA; a smaller model
-  may get the kernel); sliding layers run SDPA with a band mask per bucket
-  (torch_backend.encoder_attention_heads), unless no sequence of the step is longer than W, where
-  the band hides nothing and they take the backend too.
+  may get the kernel); sliding layers call its `attend_banded` (a band mask per bucket), unless
+  no sequence of the step is longer than W, where the band hides nothing and they take
+  `attend_heads` too. The attention spec therefore needs BANDED (attention/abstract.py) when a
+  sliding window is shorter than max_position_embeddings: a backend without it is refused at load.
 """
 
 from __future__ import annotations
@@ -33,17 +34,18 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tidepool.attention import torch_backend
-from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
+from tidepool.attention.backend import (
+    BANDED,
+    BUCKETED_SDPA,
+    AttentionSpec,
+    EncoderAttentionBackend,
+    EncoderStepMetadata,
+)
 from tidepool.attention.layer import Attention, AttentionModel
-from tidepool.attention.metadata import EncoderAttentionMetadata, pad_buckets
 from tidepool.models.gemma import GeGLU, Gemma3Attention, GemmaRMSNorm, _local_rope_config
 from tidepool.models.layers.rotary import RotaryEmbedding, apply_rotary
 from tidepool.models.llama import _STACKED, _head_size, _shard_sizes
 from tidepool.models.weights import load_fused_weights
-
-BandMasks = dict[tuple[int, int], torch.Tensor]
-"""(bucket length, window) → [length, length] band mask, made once per step (torch_backend)."""
 
 
 class GemmaEncoderAttention(Gemma3Attention):
@@ -57,8 +59,7 @@ class GemmaEncoderAttention(Gemma3Attention):
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        meta: EncoderAttentionMetadata,
-        band_masks: BandMasks,
+        meta: EncoderStepMetadata,
     ) -> torch.Tensor:
         """x [num_rows, hidden] → [num_rows, hidden] (after o_proj)."""
         qkv = self.qkv_proj(x)  # [num_rows, q_size + 2 * kv_size]
@@ -70,9 +71,7 @@ class GemmaEncoderAttention(Gemma3Attention):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         window = self.sliding_window
         if window is not None and max(meta.seq_lens) > window:
-            out = torch_backend.encoder_attention_heads(
-                q, k, v, meta, self.scale, window, band_masks
-            )
+            out = self.attn.backend.attend_banded(q, k, v, meta, self.scale, window)
         else:
             out = self.attn.backend.attend_heads(q, k, v, meta, self.scale)
         return self.o_proj(out)
@@ -93,10 +92,9 @@ class GemmaEncoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        meta: EncoderAttentionMetadata,
-        band_masks: BandMasks,
+        meta: EncoderStepMetadata,
     ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos_sin, meta, band_masks)
+        h = self.self_attn(self.input_layernorm(x), cos_sin, meta)
         x = self.post_attention_layernorm(h).add_(x)
         return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))).add_(x)
 
@@ -126,41 +124,33 @@ class Gemma3TextEncoderModel(AttentionModel, nn.Module):
         """Chosen by the loader (attention/backend.py); bucketed SDPA when built by hand."""
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
+        """Sliding-window layers whose window a sequence may pass need BANDED attention."""
         max_positions = int(getattr(self.config, "max_position_embeddings", 0) or 0)
-        return AttentionSpec(device, dtype, _head_size(self.config), max_positions)
+        windows = [layer.self_attn.sliding_window for layer in self.layers]
+        banded = any(w is not None and not 0 < max_positions <= w for w in windows)
+        needs = frozenset({BANDED}) if banded else frozenset()
+        return AttentionSpec(device, dtype, _head_size(self.config), max_positions, needs=needs)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: EncoderAttentionMetadata,
+        attn_metadata: EncoderStepMetadata,
         token_type_ids: torch.Tensor | None = None,
         first_token_only: bool = False,
     ) -> torch.Tensor:
-        """→ [num_tokens, hidden] in packed order (token_type_ids: Gemma has none)."""
-        if self.attention_backend.packed_layout:
-            return self._layers(input_ids, positions, attn_metadata)
-        # The padded layout (attention/metadata.py): ids spread into the buckets' slots once,
-        # every layer on plain slices, the final states gathered back once.
-        layout = pad_buckets(attn_metadata)
-        if layout.is_packed:
-            return self._layers(input_ids, positions, layout.metadata)
-        slots = layout.token_index
-        x = self._layers(input_ids[slots], positions[slots], layout.metadata)
-        return x.index_select(0, layout.slot_of_token)
-
-    def _layers(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderAttentionMetadata
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        """→ [num_tokens, hidden] in packed order (token_type_ids: Gemma has none). The layers
+        run on the rows the backend's builder chose (attention/common.py LayerRows)."""
+        rows = attn_metadata.rows
+        ids, pos = rows.gather(input_ids), rows.gather(positions)
+        x = self.embed_tokens(ids)
         x = x.mul_(torch.tensor(self.embed_scale, dtype=x.dtype))  # scale in the model dtype
-        cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
-        cos_sin_local = self.rotary_emb_local.cos_sin(positions, x.dtype)
-        band_masks: BandMasks = {}
+        cos_sin = self.rotary_emb.cos_sin(pos, x.dtype)
+        cos_sin_local = self.rotary_emb_local.cos_sin(pos, x.dtype)
         for layer in self.layers:
             is_sliding = layer.self_attn.sliding_window is not None
-            x = layer(x, cos_sin_local if is_sliding else cos_sin, meta, band_masks)
-        return self.norm(x)
+            x = layer(x, cos_sin_local if is_sliding else cos_sin, attn_metadata)
+        return rows.to_tokens(self.norm(x))
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint name → our parameter name (before q/k/v fusion); None = not ours."""

@@ -1,7 +1,7 @@
 """What the model runner and the output stage may call and read on a model: the written contract.
 
     EncoderModel   bidirectional, no KV cache: the runner packs each prompt whole
-                   forward(input_ids, positions, EncoderAttentionMetadata, token_type_ids,
+                   forward(input_ids, positions, the backend's step metadata, token_type_ids,
                            first_token_only) → hidden [num_tokens, hidden] or [num_seqs, hidden]
     DecoderModel   causal, over the paged KV cache the runner owns
                    kv_cache_specs(block_size, dtype); forward(input_ids, positions,
@@ -52,11 +52,11 @@ from tidepool.attention.backend import (
     DecoderAttentionBackend,
     DecoderStepMetadata,
     EncoderAttentionBackend,
+    EncoderStepMetadata,
     select_decoder_backend,
     select_encoder_backend,
     with_reduced_precision,
 )
-from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.kv_cache.spec import KVCacheSpec
 from tidepool.models.mrope import ImagePlacement, MRopePositions
 from tidepool.multimodal.features import MultiModalFeature
@@ -88,20 +88,22 @@ class EncoderModel(Protocol):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: EncoderAttentionMetadata,
+        attn_metadata: EncoderStepMetadata,
         token_type_ids: torch.Tensor | None = None,
         first_token_only: bool = False,
     ) -> torch.Tensor:
         """input_ids / positions / token_type_ids: [num_tokens], sequences packed in the
         metadata's order (positions 0-based per sequence) → [num_tokens, hidden]; with
-        `first_token_only`, [num_seqs, hidden]: each sequence's first token."""
+        `first_token_only`, [num_seqs, hidden]: each sequence's first token. The layers run on
+        the metadata's `rows` (the model gathers its inputs into them and takes the states
+        back: attention/common.LayerRows)."""
         ...
 
     def __call__(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: EncoderAttentionMetadata,
+        attn_metadata: EncoderStepMetadata,
         token_type_ids: torch.Tensor | None = None,
         first_token_only: bool = False,
     ) -> torch.Tensor: ...
@@ -319,4 +321,5 @@ def attach_attention_backend(
     if model.is_causal:
         model.set_attention_backend(select_decoder_backend(spec))  # type: ignore[arg-type]
     else:
-        model.set_attention_backend(select_encoder_backend(spec))  # type: ignore[arg-type]
+        chosen = select_encoder_backend(spec, type(model).__name__)
+        model.set_attention_backend(chosen)  # type: ignore[arg-type]

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidepool.attention.backend import BUCKETED_SDPA
-from tidepool.attention.metadata import EncoderAttentionMetadata
+from tidepool.attention.backend import BUCKETED_SDPA, EncoderStepMetadata
 from tidepool.attention.relative_bias import RelativePositionBias, bidirectional_bucket
 from tidepool.models.bert import (
     BertAttention,
@@ -42,7 +41,7 @@ class MPNetSelfAttention(BertSelfAttention):
     def forward(
         self,
         x: torch.Tensor,
-        meta: EncoderAttentionMetadata,
+        meta: EncoderStepMetadata,
         bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         assert bias is not None, "MPNet's attention needs its relative position bias"
@@ -52,7 +51,7 @@ class MPNetSelfAttention(BertSelfAttention):
     def forward_first_tokens(
         self,
         x: torch.Tensor,
-        meta: EncoderAttentionMetadata,
+        meta: EncoderStepMetadata,
         bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         assert bias is not None, "MPNet's attention needs its relative position bias"
@@ -68,7 +67,7 @@ class MPNetAttention(BertAttention):
     def forward(
         self,
         x: torch.Tensor,
-        meta: EncoderAttentionMetadata,
+        meta: EncoderStepMetadata,
         bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         return self.output(self.self(x, meta, bias), x)
@@ -82,7 +81,7 @@ class MPNetLayer(BertLayer):
     def forward(
         self,
         x: torch.Tensor,
-        meta: EncoderAttentionMetadata,
+        meta: EncoderStepMetadata,
         bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         x = self.attention(x, meta, bias)
@@ -91,7 +90,7 @@ class MPNetLayer(BertLayer):
     def forward_first_tokens(
         self,
         x: torch.Tensor,
-        meta: EncoderAttentionMetadata,
+        meta: EncoderStepMetadata,
         first_slots: torch.Tensor,
         bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
@@ -112,7 +111,7 @@ class MPNetEncoder(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        meta: EncoderAttentionMetadata,
+        meta: EncoderStepMetadata,
         first_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [num_slots, hidden] → [num_slots, hidden], or the rows at `first_slots` only."""

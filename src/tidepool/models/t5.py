@@ -25,9 +25,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec
+from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderStepMetadata
 from tidepool.attention.layer import Attention
-from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.attention.relative_bias import RelativePositionBias, bidirectional_bucket
 from tidepool.models.bert import BertModel
 from tidepool.models.layers.linear import Linear
@@ -54,7 +53,7 @@ class T5SelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor,
-        meta: EncoderAttentionMetadata,
+        meta: EncoderStepMetadata,
         bias: RelativePositionBias,
     ) -> torch.Tensor:
         """x: the normed states [num_slots, d_model] → residual + attention output."""
@@ -70,7 +69,7 @@ class T5LayerSelfAttention(nn.Module):
         self.layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
 
     def forward(
-        self, x: torch.Tensor, meta: EncoderAttentionMetadata, bias: RelativePositionBias
+        self, x: torch.Tensor, meta: EncoderStepMetadata, bias: RelativePositionBias
     ) -> torch.Tensor:
         return self.SelfAttention(self.layer_norm(x), x, meta, bias)
 
@@ -128,7 +127,7 @@ class T5Block(nn.Module):
         self.layer = nn.ModuleList([T5LayerSelfAttention(config), T5LayerFF(config)])
 
     def forward(
-        self, x: torch.Tensor, meta: EncoderAttentionMetadata, bias: RelativePositionBias
+        self, x: torch.Tensor, meta: EncoderStepMetadata, bias: RelativePositionBias
     ) -> torch.Tensor:
         return self.layer[1](self.layer[0](x, meta, bias))
 
@@ -178,7 +177,7 @@ class T5Stack(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        meta: EncoderAttentionMetadata,
+        meta: EncoderStepMetadata,
         first_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [num_slots, d_model] → [num_slots, d_model]."""

@@ -11,11 +11,12 @@ which sequence, and where the KV cache is, comes from a step object that the bac
 model call's keyword arguments (`tidepool_step=...`); transformers 5 hands every keyword argument
 of the model's forward down to its attention functions. No global state is read:
 
-    EncoderStep   attention inside each sequence of cu_seqlens on the model's attention backend
+    EncoderStep   attention inside each sequence on the model's attention backend
                   (attention/backend.py); a layer that asks for a sliding window (ModernBERT's
                   local layers: key k is visible to query q when |q - k| < sliding_window) or
                   for causal attention (`is_causal` in the call or on the module: CLIP's text
-                  tower) runs bucketed SDPA with a band / causal mask
+                  tower) calls its attend_banded (a backend without BANDED refuses it, in the
+                  load-time check's forward)
     DecoderStep   causal attention over the paged KV cache (attention/paged*.py): this step's K/V are
                   written through the slot mapping, every key is read through the block table, so
                   chunked prefill and prefix caching work as with native models; the layer's cache
@@ -32,9 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidepool.attention import torch_backend
-from tidepool.attention.backend import DecoderAttentionBackend, EncoderAttentionBackend
-from tidepool.attention.metadata import EncoderAttentionMetadata
+from tidepool.attention.backend import (
+    BANDED,
+    DecoderAttentionBackend,
+    EncoderAttentionBackend,
+    EncoderStepMetadata,
+)
 from tidepool.attention.paged_metadata import PagedAttentionMetadata
 
 ATTENTION_NAME = "tidepool"
@@ -52,14 +56,13 @@ class EncoderStep:
     """One encoder step: attention inside each packed sequence (no KV cache), bidirectional
     unless the layer asks for causal attention."""
 
-    metadata: EncoderAttentionMetadata
-    """The packed batch when the backend runs on packed tokens, else the padded layout's."""
+    metadata: EncoderStepMetadata
+    """What the model's backend built for the step (the layers run on its rows)."""
     backend: EncoderAttentionBackend
-    """The model's attention backend (chosen at load); layers with a sliding window run on
-    bucketed SDPA with a band mask whatever it is."""
+    """The model's attention backend (chosen at load); layers with a sliding window or a
+    causal mask call its attend_banded (BANDED)."""
     modules_called: set[int] = field(default_factory=set)
     """id() of each attention module that ran (ALBERT runs one module in every layer)."""
-    _band_masks: dict[tuple[int, int, bool], torch.Tensor] = field(default_factory=dict)
 
     def attend(
         self,
@@ -76,10 +79,14 @@ class EncoderStep:
         num_tokens, num_heads, head_dim = q.shape
         if sliding_window is None and not causal:
             out = self.backend.attend_heads(q, k, v, self.metadata, scale)
+        elif BANDED in self.backend.provides:
+            # A causal encoder layer (CLIP's text tower) or a window: a band per sequence.
+            out = self.backend.attend_banded(q, k, v, self.metadata, scale, sliding_window, causal)
         else:
-            # A causal encoder layer (CLIP's text tower) or a window: masked SDPA per bucket.
-            out = torch_backend.encoder_attention_heads(
-                q, k, v, self.metadata, scale, sliding_window, self._band_masks, causal
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} attends with sliding_window={sliding_window}, "
+                f"causal={causal}: attention backend {self.backend.name!r} does not provide "
+                f"{BANDED!r}"
             )
         return out.view(1, num_tokens, num_heads, head_dim)
 

@@ -7,7 +7,7 @@ For architectures without a native implementation (or with `model_impl="transfor
                     real; parameters then allocated once on the target device and filled from the
                     checkpoint (iter_weights): the weights are never in memory twice
                 ──▶ wrapped with the native models' contract:
-                      encoders  forward(input_ids, positions, EncoderAttentionMetadata, token_type_ids)
+                      encoders  forward(input_ids, positions, step metadata, token_type_ids)
                       decoders  forward(input_ids, positions, PagedAttentionMetadata, kv_caches)
                                 + kv_cache_specs(block_size, dtype)
                       both      → hidden [num_tokens, hidden]; compute_logits(pooled or last states)

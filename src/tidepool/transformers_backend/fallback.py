@@ -27,13 +27,19 @@ import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
 
 from tidepool.attention import cpu_kernels
-from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
+from tidepool.attention.backend import (
+    BUCKETED_SDPA,
+    PACKED_BUCKETS,
+    AttentionSpec,
+    EncoderAttentionBackend,
+    EncoderStepMetadata,
+)
 from tidepool.attention.metadata import EncoderAttentionMetadata
 from tidepool.config import ModelConfig
 from tidepool.transformers_backend.backend import (
@@ -161,14 +167,20 @@ class FallbackEncoderModel(nn.Module):
         self.default_pooling_type = "LAST" if causal else "CLS"
         self._head = HeadRunner(hf_model, is_causal=causal) if config.task != "embed" else None
         self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
-        """Unused: the HF model's own attention runs (kept for the contract)."""
+        """The HF model's own attention runs; its builder's packed buckets are read."""
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
         config = self.hf_model.config
         heads = getattr(config, "num_attention_heads", None)
         head_dim = config.hidden_size // heads if heads else config.hidden_size
         max_len = int(getattr(config, "max_position_embeddings", 0) or 0)
-        return AttentionSpec(device, dtype, head_dim, max_len or cpu_kernels.MAX_SEQ_LEN)
+        return AttentionSpec(
+            device,
+            dtype,
+            head_dim,
+            max_len or cpu_kernels.MAX_SEQ_LEN,
+            needs=frozenset({PACKED_BUCKETS}),  # one HF forward per bucket (forward)
+        )
 
     def set_attention_backend(self, backend: EncoderAttentionBackend) -> None:
         self.attention_backend = backend
@@ -208,7 +220,7 @@ class FallbackEncoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: EncoderAttentionMetadata,
+        attn_metadata: EncoderStepMetadata,
         token_type_ids: torch.Tensor | None = None,
         first_token_only: bool = False,
     ) -> torch.Tensor:
@@ -218,7 +230,9 @@ class FallbackEncoderModel(nn.Module):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         out: torch.Tensor | None = None
-        for start, lens, keys in self._batches(attn_metadata):
+        # The step's buckets over the packed tokens (PACKED_BUCKETS, the attention spec's need).
+        buckets = cast(EncoderAttentionMetadata, attn_metadata).packed_buckets
+        for start, lens, keys in self._batches(buckets):
             # ids / mask / types: [num_seqs, max_len], right-padded with the pad id.
             max_len, num_seqs = lens[0], len(lens)
             lens_t = torch.tensor(lens, device=input_ids.device)

@@ -1,8 +1,8 @@
 """tidepool's model contract (models/interfaces.py) around a Hugging Face model (the transformers
 backend).
 
-    TransformersEncoderModel  an EncoderModel: forward(input_ids, positions,
-                              EncoderAttentionMetadata, token_type_ids); no first-token-only path
+    TransformersEncoderModel  an EncoderModel: forward(input_ids, positions, the backend's
+                              step metadata, token_type_ids); no first-token-only path
     TransformersDecoderModel  a DecoderModel: forward(input_ids, positions, PagedAttentionMetadata,
                               kv_caches) + kv_cache_specs(block_size, dtype)
     both                      → hidden [num_tokens, hidden]; compute_logits(pooled / last states)
@@ -29,9 +29,9 @@ from tidepool.attention.backend import (
     AttentionSpec,
     DecoderAttentionBackend,
     EncoderAttentionBackend,
+    EncoderStepMetadata,
 )
 from tidepool.attention.layer import AttentionModel
-from tidepool.attention.metadata import EncoderAttentionMetadata, pad_buckets
 from tidepool.attention.paged_metadata import PagedAttentionMetadata
 from tidepool.config import ModelConfig
 from tidepool.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -230,38 +230,28 @@ class TransformersEncoderModel(AttentionModel, nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: EncoderAttentionMetadata,
+        attn_metadata: EncoderStepMetadata,
         token_type_ids: torch.Tensor | None = None,
         first_token_only: bool = False,
     ) -> torch.Tensor:
         if first_token_only:
             raise ValueError("supports_first_token_only is False: every row is computed")
-        backend = self.attention_backend
-        if backend.packed_layout:
-            # Packed tokens: the kernel needs no padding; layers it cannot run (a sliding window)
-            # gather their buckets from the packed rows.
-            layout = None
-            step = EncoderStep(attn_metadata, backend)
-            slots = slice(None)
-        else:
-            layout = pad_buckets(attn_metadata)
-            step = EncoderStep(layout.metadata, backend)
-            slots = layout.token_index
+        # The HF body runs on the rows the backend's builder chose (packed tokens, or padded
+        # buckets' slots: attention/common.py LayerRows) as one sequence.
+        rows = attn_metadata.rows
+        step = EncoderStep(attn_metadata, self.attention_backend)
         kwargs: dict[str, Any] = {STEP_KWARG: step}
         if self._takes_token_type_ids:
             # Always explicit: HF's default slices a buffer of max_position_embeddings zeros,
             # shorter than a packed batch.
             types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-            kwargs["token_type_ids"] = types[slots][None]
+            kwargs["token_type_ids"] = rows.gather(types)[None]
         if self.position_offset:
             positions = positions + self.position_offset
-        out = self.hf_model.base_model(
-            input_ids=input_ids[slots][None], position_ids=positions[slots][None], **kwargs
-        )
+        ids, pos = rows.gather(input_ids), rows.gather(positions)
+        out = self.hf_model.base_model(input_ids=ids[None], position_ids=pos[None], **kwargs)
         _check_attention_calls(step, self._num_attention_layers, type(self.hf_model).__name__)
-        if layout is None:
-            return out[0][0]
-        return out[0][0].index_select(0, layout.slot_of_token)
+        return rows.to_tokens(out[0][0])
 
     def compute_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         """pooled [num_seqs, hidden] → [num_seqs, num_labels] through the HF classifier."""

@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 
 from tidepool.attention.abstract import DecoderAttentionBackend
+from tidepool.attention.backend import check_provides
 from tidepool.attention.common import AttentionMetadataBuilder, encoder_step
 from tidepool.attention.paged import allocate_kv_caches
 from tidepool.attention.paged_metadata import AttentionView
@@ -163,6 +164,8 @@ class ModelRunner:
         backend = self.model.attention_backend
         if self._attn_builder is None or self._attn_builder[0] is not backend:
             if self.kv_cache_config is None:
+                spec = self.model.attention_spec(self.device, self.config.model.dtype)
+                check_provides(backend, spec, type(self.model).__name__)  # handed over after load
                 builder = cast(EncoderModel, self.model).attention_backend.metadata_builder()
             else:
                 builder = self._decoder_builder(cast(DecoderModel, self.model).attention_backend)
