@@ -70,6 +70,29 @@ def test_clip_images_and_texts_match_transformers(clip, report_tolerance):
     assert (ref_images[0] - ref_images[1]).abs().max() > 100 * (got - expected).abs().max()
 
 
+
+def test_clip_on_bucketed_sdpa_matches_transformers(clip, monkeypatch):
+    """The SDPA backend lays the towers' rows out as padded buckets (its builder's LayerRows):
+    texts of different lengths and images on it equal transformers too, and equal the default
+    backend's vectors (the CPU kernel where it builds)."""
+    from tidepool.attention import cpu_kernels
+    from tidepool.attention.backend import BUCKETED_SDPA
+
+    folder, model, default = clip
+    images = make_images(3, seed=7)
+    prompts = [*map(_image_prompt, images), *TEXTS]
+    by_default = _embed(default, prompts)
+    monkeypatch.setenv("TIDEPOOL_CPU_ATTENTION", "sdpa")
+    monkeypatch.setattr(cpu_kernels, "_state", {})  # the kernel's availability is cached
+    llm = LLM(str(folder), device="cpu", dtype="float32")
+    assert llm.engine.model_runner.model.attention_backend is BUCKETED_SDPA
+    got = _embed(llm, prompts)
+    ref_images, ref_texts = _transformers(folder, model, images, TEXTS)
+    expected = torch.cat([ref_images, ref_texts])
+    assert_cosine_close(got, expected, depth=DEPTH, reduction=REDUCTION)
+    assert_close(got, expected, depth=DEPTH, reduction=REDUCTION)
+    assert_close(by_default, got, depth=DEPTH, reduction=REDUCTION)
+
 def test_clip_matches_sentence_transformers(clip, tmp_path):
     """sentence-transformers 6 loads the plain folder (Transformer module, get_*_features) and
     the folder it saves (modules.json): min cosine >= 0.9999, the image-text cosine matrix

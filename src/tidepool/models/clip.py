@@ -22,11 +22,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
+from tidepool.attention.backend import (
+    BANDED,
+    BUCKETED_SDPA,
+    AttentionSpec,
+    EncoderAttentionBackend,
+    EncoderStepMetadata,
+)
 from tidepool.attention.common import encoder_step
 from tidepool.attention.layer import Attention, AttentionModel
-from tidepool.attention.metadata import EncoderAttentionMetadata
-from tidepool.attention.torch_backend import encoder_attention_heads
 from tidepool.models.layers.activation import get_activation
 from tidepool.models.layers.linear import Linear
 from tidepool.models.weights import equal_thirds, load_fused_weights, qkv_markers
@@ -45,14 +49,13 @@ class TowerAttention(nn.Module):
         self.attn = Attention(BUCKETED_SDPA)
 
     def forward(
-        self, x: torch.Tensor, meta: EncoderAttentionMetadata, residual: torch.Tensor
+        self, x: torch.Tensor, meta: EncoderStepMetadata, residual: torch.Tensor
     ) -> torch.Tensor:
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
         backend = self.attn.backend
-        if self.causal or not backend.packed_layout:
-            # Packed rows, bucketed SDPA (masked where causal): the layers never pad.
+        if self.causal:  # the text tower: a causal band (BANDED, which CLIPModel's spec needs)
             q, k, v = qkv.unbind(1)
-            context = encoder_attention_heads(q, k, v, meta, self.scale, causal=self.causal)
+            context = backend.attend_banded(q, k, v, meta, self.scale, None, causal=True)
         else:
             context = backend.attend(qkv, meta, self.scale)
         return self.out_proj(context, residual=residual)
@@ -81,7 +84,7 @@ class TowerLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(hidden, eps=eps)
         self.mlp = TowerMLP(hidden, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: EncoderStepMetadata) -> torch.Tensor:
         x = self.self_attn.forward(self.layer_norm1(x), meta, x)
         return self.mlp.forward(self.layer_norm2(x), x)
 
@@ -93,7 +96,7 @@ class TowerEncoder(nn.Module):
             TowerLayer(config, causal) for _ in range(config.num_hidden_layers)
         )
 
-    def forward(self, x: torch.Tensor, meta: EncoderAttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: EncoderStepMetadata) -> torch.Tensor:
         for layer in self.layers:
             x = layer.forward(x, meta)
         return x
@@ -128,12 +131,14 @@ class ClipTextTower(nn.Module):
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderAttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderStepMetadata
     ) -> torch.Tensor:
-        x = self.embeddings.token_embedding(input_ids) + self.embeddings.position_embedding(
-            positions
+        rows = meta.rows  # the backend builder's rows: packed tokens or padded buckets
+        emb = self.embeddings
+        x = emb.token_embedding(rows.gather(input_ids)) + emb.position_embedding(
+            rows.gather(positions)
         )
-        return self.final_layer_norm(self.encoder(x, meta))
+        return rows.to_tokens(self.final_layer_norm(self.encoder(x, meta)))
 
     def eos_rows(self, cu_seqlens: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Each sequence's pooled row (transformers' CLIPTextTransformer): the first position of
@@ -178,13 +183,14 @@ class ClipVisionTower(nn.Module):
         x = (x + emb.position_embedding.weight).flatten(0, 1)
         seq = self.num_patches + 1
         meta = vision_metadata(backend, n, seq, x, self.config.num_attention_heads)
-        x = self.encoder(self.pre_layrnorm(x), meta)
-        return self.post_layernorm(x[::seq])
+        rows = meta.rows
+        x = self.encoder(self.pre_layrnorm(rows.gather(x)), meta)
+        return self.post_layernorm(x.index_select(0, rows.first_rows))
 
 
 def vision_metadata(
     backend: EncoderAttentionBackend, n: int, seq: int, x: torch.Tensor, num_heads: int
-) -> EncoderAttentionMetadata:
+) -> EncoderStepMetadata:
     """The attention metadata of `n` images of `seq` positions each, packed."""
     return backend.metadata_builder().build(encoder_step([seq] * n, x.device, x.dtype, num_heads))
 
@@ -227,17 +233,19 @@ class CLIPModel(_DualTowerBase):
         self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
-        """The vision tower's (the packed, heavy side; the text tower's causal layers run
-        bucketed SDPA whatever the backend)."""
+        """The vision tower's (the packed, heavy side); the text tower's causal layers need
+        BANDED (attend_banded: bucketed SDPA with a causal mask, whatever the backend)."""
         vision = self.config.vision_config
         head_dim = vision.hidden_size // vision.num_attention_heads
-        return AttentionSpec(device, dtype, head_dim, self.vision_model.num_patches + 1)
+        return AttentionSpec(
+            device, dtype, head_dim, self.vision_model.num_patches + 1, needs=frozenset({BANDED})
+        )
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: EncoderAttentionMetadata,
+        attn_metadata: EncoderStepMetadata,
         token_type_ids: torch.Tensor | None = None,
         first_token_only: bool = False,
     ) -> torch.Tensor:

@@ -192,10 +192,13 @@ class Qwen2VisionTransformer(nn.Module):
             encoder_step(seq_lens, x.device, x.dtype, self.config.num_heads)
         )
         hw = vision_positions(grids, self.merge).to(x.device)
-        cos_sin = self.rotary.cos_sin(hw, x.dtype)
+        cos, sin = self.rotary.cos_sin(hw, x.dtype)
+        # The blocks run on the rows the backend's builder chose (packed, or padded buckets).
+        rows = meta.rows
+        x, cos_sin = rows.gather(x), (rows.gather(cos), rows.gather(sin))
         for block in self.blocks:
             x = block(x, cos_sin, meta)
-        return self.merger(x)
+        return self.merger(rows.to_tokens(x))
 
     def adapt_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The checkpoint's Conv3d kernel [E, C, T, P, P] → our linear's [E, C*T*P*P]."""
