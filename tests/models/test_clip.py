@@ -70,7 +70,6 @@ def test_clip_images_and_texts_match_transformers(clip, report_tolerance):
     assert (ref_images[0] - ref_images[1]).abs().max() > 100 * (got - expected).abs().max()
 
 
-
 def test_clip_on_bucketed_sdpa_matches_transformers(clip, monkeypatch):
     """The SDPA backend lays the towers' rows out as padded buckets (its builder's LayerRows):
     texts of different lengths and images on it equal transformers too, and equal the default
@@ -92,6 +91,7 @@ def test_clip_on_bucketed_sdpa_matches_transformers(clip, monkeypatch):
     assert_cosine_close(got, expected, depth=DEPTH, reduction=REDUCTION)
     assert_close(got, expected, depth=DEPTH, reduction=REDUCTION)
     assert_close(by_default, got, depth=DEPTH, reduction=REDUCTION)
+
 
 def test_clip_matches_sentence_transformers(clip, tmp_path):
     """sentence-transformers 6 loads the plain folder (Transformer module, get_*_features) and
