@@ -30,7 +30,7 @@ from tolerances import assert_close, assert_cosine_close
 
 from tidepool import LLM, PoolingParams
 
-RAW = PoolingParams(normalize=False)
+RAW = PoolingParams(use_activation=False)
 TEXTS = ["a photo of a cat", "hi", "the capital of france", "a", "tokens tokens tokens"]
 DEPTH = SIGLIP_TEXT["num_hidden_layers"] + 2
 REDUCTION = 3 * CLIP_VISION["patch_size"] ** 2  # the patch GEMM: 192 > intermediate 128

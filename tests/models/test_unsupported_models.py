@@ -59,6 +59,9 @@ MODELS = {
     "gte": lambda: transformers.GteModel(
         transformers.GteConfig(vocab_size=30522, pad_token_id=0, **TINY_SIZES)
     ),
+    "siglip2": lambda: transformers.Siglip2Model(
+        transformers.Siglip2Config(text_config=TEXT, vision_config={**VISION, "num_patches": 4})
+    ),
 }
 
 
@@ -116,6 +119,13 @@ def test_siglip_model_without_image_processor_is_refused(saved, caplog):
     processor; without it the load is refused naming the file."""
     message = _refused(saved("siglip")[0], caplog)
     assert "has neither preprocessor_config.json nor processor_config.json" in message
+
+
+def test_siglip2_model_is_refused_naming_naflex(saved, caplog):
+    message = _refused(saved("siglip2")[0], caplog)
+    assert "Siglip2Model is a vision + text model" in message
+    assert "NaFlex" in message and "spatial_shapes" in message
+    assert "SiglipModel) run natively" in message
 
 
 def test_t5_for_conditional_generation_is_refused_and_its_encoder_runs(saved, caplog):

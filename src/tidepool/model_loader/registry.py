@@ -243,6 +243,13 @@ def refuse_unsupported_kind(architecture: str, hf_config: Any, task: str) -> Non
                 'space: hf_overrides={"architectures": ["SiglipModel"]} on a whole-model '
                 "checkpoint) or SiglipVisionModel (images alone)"
             )
+        elif model_type == "siglip2":
+            hint = (
+                "SigLIP 2's NaFlex vision side (variable resolution: the processor's "
+                "spatial_shapes and pixel_attention_mask, position embeddings interpolated to "
+                "each image's patch grid) is not implemented; the fixed-resolution SigLIP 2 "
+                'checkpoints (model_type "siglip", SiglipModel) run natively'
+            )
         else:
             hint = "tidepool runs none of its towers alone yet"
         raise ValueError(
