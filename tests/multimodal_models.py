@@ -150,7 +150,9 @@ SIGLIP_TEXT = dict(
 )
 
 
-def save_siglip_tokenizer(folder: Path, mask_pads: bool) -> object:
+def save_siglip_tokenizer(
+    folder: Path, mask_pads: bool, max_length: int = SIGLIP_TEXT_LEN, padding_side: str = "right"
+) -> object:
     """A tiny fast tokenizer with SigLIP's template ("X </s>", no BOS, pads of </s>,
     model_max_length SIGLIP_TEXT_LEN; a unigram model trained on the shared test texts).
     transformers' own SiglipTokenizer is SentencePiece-only (no tokenizer.json), which
@@ -176,7 +178,8 @@ def save_siglip_tokenizer(folder: Path, mask_pads: bool) -> object:
         eos_token="</s>",
         pad_token="</s>",
         unk_token="<unk>",
-        model_max_length=SIGLIP_TEXT_LEN,
+        model_max_length=max_length,
+        padding_side=padding_side,
         model_input_names=["input_ids", "attention_mask"] if mask_pads else ["input_ids"],
     )
     fast.save_pretrained(str(folder))
@@ -223,6 +226,47 @@ def build_siglip(
             text_config=text.to_dict(), vision_config=vision.to_dict()
         )
         model = transformers.SiglipModel(config).eval()
+    _sharpen(model)
+    model.save_pretrained(str(folder))
+    return model
+
+
+SIGLIP2_TEXT_LEN = 64
+"""Siglip2Processor pads texts to max_length 64 (its text_kwargs), whatever the tokenizer says."""
+SIGLIP2_MAX_PATCHES = 16
+"""The tiny NaFlex processor's max_num_patches (8 px patches): images of up to 16 patches at
+their own aspect ratio (4 x 4, 2 x 8, 3 x 5, ...), from a 4 x 4 position grid."""
+
+
+def build_siglip2(
+    folder: Path, seed: int = 7, padding_side: str = "right", mask_pads: bool = True
+) -> torch.nn.Module:
+    """A tiny Siglip2Model saved in `folder` with a fast tokenizer (texts padded to 64; its
+    padding side and mask as given: Siglip2Tokenizer's own default is left) and the PIL NaFlex
+    image processor (8 px patches, at most 16 per image, RGB conversion on)."""
+    import transformers
+    from transformers.models.siglip2.image_processing_pil_siglip2 import (
+        Siglip2ImageProcessorPil,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = save_siglip_tokenizer(folder, mask_pads, SIGLIP2_TEXT_LEN, padding_side)
+    images = Siglip2ImageProcessorPil(
+        patch_size=PATCH_SIZE, max_num_patches=SIGLIP2_MAX_PATCHES, do_convert_rgb=True
+    )
+    images.save_pretrained(str(folder))
+    text = transformers.Siglip2TextConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **{**SIGLIP_TEXT, "max_position_embeddings": SIGLIP2_TEXT_LEN},
+    )
+    vision = {k: v for k, v in CLIP_VISION.items() if k != "image_size"}
+    vision = transformers.Siglip2VisionConfig(**vision, num_patches=16)
+    config = transformers.Siglip2Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    torch.manual_seed(seed)
+    model = transformers.Siglip2Model(config).eval()
     _sharpen(model)
     model.save_pretrained(str(folder))
     return model

@@ -74,6 +74,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "CLIPVisionModelWithProjection": ("clip", "CLIPVisionModelWithProjection"),
     "SiglipModel": ("siglip", "SiglipModel"),
     "SiglipVisionModel": ("siglip", "SiglipVisionModel"),
+    "Siglip2Model": ("siglip2", "Siglip2Model"),
 }
 
 # Architectures whose checkpoints may set `use_bidirectional_attention` (a decoder trained as an
@@ -244,12 +245,7 @@ def refuse_unsupported_kind(architecture: str, hf_config: Any, task: str) -> Non
                 "checkpoint) or SiglipVisionModel (images alone)"
             )
         elif model_type == "siglip2":
-            hint = (
-                "SigLIP 2's NaFlex vision side (variable resolution: the processor's "
-                "spatial_shapes and pixel_attention_mask, position embeddings interpolated to "
-                "each image's patch grid) is not implemented; the fixed-resolution SigLIP 2 "
-                'checkpoints (model_type "siglip", SiglipModel) run natively'
-            )
+            hint = "tidepool runs SigLIP 2 checkpoints as Siglip2Model (texts and images)"
         else:
             hint = "tidepool runs none of its towers alone yet"
         raise ValueError(

@@ -74,7 +74,10 @@ def _head_dim(config: Any) -> int:
     return config.hidden_size // config.num_attention_heads
 
 
-class _SiglipBase(AttentionModel, nn.Module):
+class SiglipBase(AttentionModel, nn.Module):
+    """What SigLIP's models share: the dual-tower members, weight loading (q / k / v fused,
+    logit_scale / logit_bias skipped) and the image side (`vision_model` takes the pixels)."""
+
     is_causal: ClassVar[bool] = False
     default_pooling_type = "LAST"
     supports_first_token_only = False
@@ -96,7 +99,7 @@ class _SiglipBase(AttentionModel, nn.Module):
         return vision(pixels)
 
 
-class SiglipModel(_SiglipBase):
+class SiglipModel(SiglipBase):
     """Both towers (an EncoderModel on texts, EmbeddingPoolingHead and DualTowerModel)."""
 
     def __init__(self, config: Any) -> None:
@@ -152,7 +155,7 @@ class SiglipModel(_SiglipBase):
         return self._pool_images(features)
 
 
-class SiglipVisionModel(_SiglipBase):
+class SiglipVisionModel(SiglipBase):
     """The vision tower alone (its pooler_output): images only, texts refused at input."""
 
     def __init__(self, config: Any) -> None:

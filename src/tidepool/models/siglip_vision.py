@@ -65,8 +65,9 @@ class AttentionPoolingHead(nn.Module):
         self.layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.mlp = TowerMLP(hidden, config.intermediate_size, config.hidden_act)
 
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        """[n, patches, hidden] → [n, hidden]."""
+    def forward(self, patches: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, patches, hidden] → [n, hidden]; `key_mask` [n, patches] bool: False rows are not
+        attended (SigLIP 2's padded patches; None: all are)."""
         n, length, hidden = patches.shape
         w_q, w_kv = self.attention.in_proj_weight.split([hidden, 2 * hidden])
         b_q, b_kv = self.attention.in_proj_bias.split([hidden, 2 * hidden])
@@ -74,6 +75,8 @@ class AttentionPoolingHead(nn.Module):
         k, v = F.linear(patches, w_kv, b_kv).view(n, length, 2, self.num_heads, -1).unbind(2)
         # One query per image: scores [n, heads, patches], softmax over the patches.
         scores = torch.einsum("hd,nphd->nhp", q, k) * self.head_dim**-0.5
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, None, :], float("-inf"))
         context = torch.einsum("nhp,nphd->nhd", scores.softmax(dim=-1), v).reshape(n, hidden)
         x = self.attention.out_proj(context)
         return self.mlp(self.layernorm(x), x)

@@ -22,11 +22,18 @@ from tidepool.multimodal.processing import (
     processor_settings,
 )
 
+SIGLIP2_TEXT_LENGTH = 64
+"""Siglip2Processor's text padding: max_length 64 (its text_kwargs), whatever the tokenizer's
+model_max_length."""
+
 
 def vision_positions(hf_config: Any) -> int:
     """The vision tower's sequence length for one image: (image_size / patch_size)^2 patches,
-    + 1 class token for CLIP (SigLIP has none)."""
+    + 1 class token for CLIP (SigLIP has none); 0 for SigLIP 2's NaFlex tower, whose length
+    is each image's (NaFlexProcessor)."""
     vision = getattr(hf_config, "vision_config", None) or hf_config
+    if vision.model_type.startswith("siglip2"):
+        return 0
     patches = (vision.image_size // vision.patch_size) ** 2
     return patches + (1 if vision.model_type.startswith("clip") else 0)
 
@@ -39,11 +46,14 @@ class FixedLengthText:
     pads are keys unless the tokenizer returns an attention_mask (its model_input_names), as
     transformers' get_text_features is called on the processor's output."""
 
-    def __init__(self, tokenizer: Any, text_config: Any, name: str) -> None:
+    def __init__(
+        self, tokenizer: Any, text_config: Any, name: str, length: int | None = None
+    ) -> None:
         positions = text_config.max_position_embeddings
-        # The input processor lifts model_max_length (it checks lengths itself): the folder's
-        # value is in init_kwargs.
-        length = tokenizer.init_kwargs.get("model_max_length", tokenizer.model_max_length)
+        if length is None:
+            # The input processor lifts model_max_length (it checks lengths itself): the
+            # folder's value is in init_kwargs.
+            length = tokenizer.init_kwargs.get("model_max_length", tokenizer.model_max_length)
         if not isinstance(length, int) or length > 1_000_000:  # transformers' "no limit"
             length = positions
         if length > positions:
@@ -53,11 +63,7 @@ class FixedLengthText:
             )
         if tokenizer.pad_token_id is None:
             raise ValueError(f"{name}'s tokenizer has no pad token to pad its texts with")
-        if getattr(tokenizer, "padding_side", "right") != "right":
-            raise ValueError(
-                f"{name}'s tokenizer pads on the {tokenizer.padding_side}: tidepool pads "
-                "SigLIP's texts on the right only (its checkpoints' side)"
-            )
+        self.padding_side = getattr(tokenizer, "padding_side", "right")
         self.length = length
         self.pad_id = int(tokenizer.pad_token_id)
         self.masks_pads = "attention_mask" in getattr(tokenizer, "model_input_names", ())
@@ -70,9 +76,17 @@ class FixedLengthText:
                 f"text length), this one has {len(token_ids)}: shorten it or pass "
                 "truncate_prompt_tokens"
             )
-        padded = token_ids + [self.pad_id] * (self.length - len(token_ids))
-        attended = len(token_ids) if self.masks_pads and len(token_ids) < self.length else None
-        return ShapedText(padded, attended)
+        pads = [self.pad_id] * (self.length - len(token_ids))
+        if self.padding_side == "left":
+            if self.masks_pads and pads:
+                raise ValueError(
+                    f"{self.name}'s tokenizer pads on the left and masks the pads (its "
+                    "attention_mask): keys after leading pads are not implemented in tidepool; "
+                    'a tokenizer_config.json with padding_side "right" runs'
+                )
+            return ShapedText(pads + token_ids)
+        attended = len(token_ids) if self.masks_pads and pads else None
+        return ShapedText(token_ids + pads, attended)
 
 
 class DualTowerProcessor(ImagePromptProcessor):
@@ -84,9 +98,12 @@ class DualTowerProcessor(ImagePromptProcessor):
         self.name = model_config.architecture
         text_config = getattr(model_config.hf_config, "text_config", None)
         self.takes_text = text_config is not None
+        model_type = model_config.hf_config.model_type
         self.fixed_length = (
-            FixedLengthText(tokenizer, text_config, self.name)
-            if self.takes_text and model_config.hf_config.model_type == "siglip"
+            FixedLengthText(tokenizer, text_config, self.name, SIGLIP2_TEXT_LENGTH)
+            if self.takes_text and model_type == "siglip2"
+            else FixedLengthText(tokenizer, text_config, self.name)
+            if self.takes_text and model_type == "siglip"
             else None
         )
 
@@ -113,15 +130,42 @@ class DualTowerProcessor(ImagePromptProcessor):
             raise ValueError(
                 f"an image gives {self.name} one embedding (task 'embed'), not {task!r}"
             )
-        image = images[0]
+        feature = self.image_feature(images[0])
+        return ProcessedPrompt([0] * feature.length, (feature,), counts_toward_max_model_len=False)
+
+    def image_feature(self, image: Any) -> MultiModalFeature:
+        """One image → its feature: the processor's pixel_values, one position per placeholder."""
         pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
-        feature = MultiModalFeature(
+        return MultiModalFeature(
             modality="image",
             data={"pixel_values": pixels},
             identifier=image_hash(image, self.settings),
             offset=0,
             length=self.num_positions,
         )
-        return ProcessedPrompt(
-            [0] * self.num_positions, (feature,), counts_toward_max_model_len=False
+
+
+class NaFlexProcessor(DualTowerProcessor):
+    """SigLIP 2's NaFlex images: the processor resizes each image to at most max_num_patches
+    patches at its aspect ratio and pads them to max_num_patches (pixel_attention_mask); the
+    feature keeps the h * w real patches and spatial_shapes (h, w): one placeholder each."""
+
+    def image_feature(self, image: Any) -> MultiModalFeature:
+        out = self.image_processor(images=[image], return_tensors="pt")
+        h, w = (int(v) for v in out["spatial_shapes"][0])
+        mask = out["pixel_attention_mask"][0].bool()
+        if int(mask.sum()) != h * w or not bool(mask[: h * w].all()):
+            raise ValueError(
+                f"{self.name}: the image processor's pixel_attention_mask does not mark the "
+                f"first {h} x {w} patches (its spatial_shapes) as the image's"
+            )
+        return MultiModalFeature(
+            modality="image",
+            data={
+                "pixel_values": out["pixel_values"][0][: h * w],
+                "spatial_shapes": out["spatial_shapes"][0],
+            },
+            identifier=image_hash(image, self.settings),
+            offset=0,
+            length=h * w,
         )

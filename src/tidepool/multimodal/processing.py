@@ -77,6 +77,7 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
     "CLIPVisionModelWithProjection": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
     "SiglipModel": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
     "SiglipVisionModel": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
+    "Siglip2Model": ("tidepool.multimodal.dual_tower", "NaFlexProcessor"),
     # Images among the prompt's tokens: one <|image_pad|> per image, expanded to its grid.
     "Qwen2VLModel": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
     "Qwen2VLForConditionalGeneration": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
