@@ -160,6 +160,12 @@ def test_siglip_too_long_text_is_refused(siglip):
         shaper.pad(list(range(SIGLIP_TEXT_LEN + 1)))
 
 
+def test_siglip_max_model_len_below_the_fixed_length_is_refused(siglip):
+    folder, _ = siglip
+    with pytest.raises(ValueError, match="pads every text to 16 tokens, more than max_model_len 8"):
+        LLM(str(folder), device="cpu", dtype="float32", max_model_len=8)
+
+
 def test_siglip_batch_invariance(siglip):
     """An image or a text alone equals itself in a mixed batch; the default normalizes."""
     folder, _ = siglip

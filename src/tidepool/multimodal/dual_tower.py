@@ -106,6 +106,12 @@ class DualTowerProcessor(ImagePromptProcessor):
             if self.takes_text and model_type == "siglip"
             else None
         )
+        if self.fixed_length is not None and self.fixed_length.length > model_config.max_model_len:
+            raise ValueError(
+                f"{self.name} pads every text to {self.fixed_length.length} tokens, more than "
+                f"max_model_len {model_config.max_model_len}: raise max_model_len to at least "
+                f"{self.fixed_length.length}"
+            )
 
     def shape_text(self, token_ids: list[int]) -> ShapedText:
         if not self.takes_text:
