@@ -214,6 +214,15 @@ def test_siglip_vision_model_alone(tmp_path):
     assert_close(got, expected, depth=DEPTH, reduction=REDUCTION)
     with pytest.raises(ValueError, match="vision tower alone"):
         llm.embed(["a text"], use_tqdm=False)
+    # Checkpoints saved before transformers 5 name the tensors vision_model.*: the same vectors.
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    state = load_file(str(weights))
+    assert not any(k.startswith("vision_model.") for k in state)
+    save_file({f"vision_model.{k}": v for k, v in state.items()}, str(weights))
+    again = LLM(str(folder), device="cpu", dtype="float32")
+    torch.testing.assert_close(_embed(again, list(map(_image_prompt, images))), got)
 
 
 def test_siglip_matches_sentence_transformers(siglip):
