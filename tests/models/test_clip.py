@@ -167,3 +167,28 @@ def test_clip_vision_tower_alone(tmp_path):
     assert_close(got, expected, depth=DEPTH, reduction=REDUCTION)
     with pytest.raises(ValueError, match="vision tower alone"):
         llm.embed(["a text"], use_tqdm=False)
+
+
+def test_clip_by_hub_id_embeds_images(clip, fake_hub):
+    """A Hub id downloads the image processor's config with the weights (a snapshot without it
+    could not take an image): images by id equal the local folder's."""
+    from hub_server import folder_files
+
+    folder, _, llm = clip
+    fake_hub.hub.add("org/tiny-clip", folder_files(folder))
+    images = make_images(2)
+    by_id = LLM("org/tiny-clip", device="cpu", dtype="float32")
+    got = _embed(by_id, [_image_prompt(im) for im in images])
+    torch.testing.assert_close(
+        got, _embed(llm, [_image_prompt(im) for im in images]), rtol=0, atol=0
+    )
+    assert "preprocessor_config.json" in fake_hub.hub.fetched("org/tiny-clip")
+
+
+@pytest.mark.parametrize("impl", ["transformers", "fallback"])
+def test_clip_off_the_native_model_is_refused(clip, impl):
+    """The transformers backend and the fallback take token ids, not images: a clear refusal
+    at load (it was an AttributeError from deep in the backend), naming what runs instead."""
+    folder, _, _ = clip
+    with pytest.raises(ValueError, match=f'model_impl="auto" or "native", not {impl!r}'):
+        LLM(str(folder), model_impl=impl)

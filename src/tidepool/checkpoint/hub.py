@@ -56,6 +56,9 @@ _TOP_LEVEL_FILES = frozenset(
         "modules.json",
         "config_sentence_transformers.json",
         "sentence_bert_config.json",
+        # image models' processors (CLIP, SigLIP, Qwen2-VL, ColPali: multimodal/processing.py)
+        "preprocessor_config.json",
+        "processor_config.json",
         # FlagEmbedding's BGE-M3 heads; colbert-ir's ColBERT metadata
         "sparse_linear.pt",
         "colbert_linear.pt",
