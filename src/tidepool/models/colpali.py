@@ -42,8 +42,8 @@ from tidepool.attention.layer import AttentionModel
 from tidepool.models.layers.linear import Linear
 from tidepool.models.llama import _STACKED, _shard_sizes
 from tidepool.models.paligemma import PaliGemmaMultiModalProjector, PaliGemmaTextEncoder
-from tidepool.models.siglip_vision import SiglipVisionTower
-from tidepool.models.weights import load_fused_weights
+from tidepool.models.siglip_vision import SIGLIP_QKV, SiglipVisionTower
+from tidepool.models.weights import FusedMarkers, equal_thirds, load_fused_weights
 from tidepool.multimodal.features import MultiModalFeature
 
 _IGNORED = ("language_model.lm_head.", "lm_head.")
@@ -70,9 +70,6 @@ class ColPaliForRetrieval(AttentionModel, nn.Module):
         self.retrieval_config = config
         vlm = config.vlm_config
         self.config = vlm
-        if getattr(vlm.vision_config, "vision_use_head", False):
-            # PaliGemma reads last_hidden_state; a head would be weights nothing reads.
-            vlm.vision_config.vision_use_head = False
         self.vision_tower = SiglipVisionTower(vlm.vision_config)
         self.multi_modal_projector = PaliGemmaMultiModalProjector(vlm)
         self.language_model = PaliGemmaTextEncoder(vlm.text_config)
@@ -82,7 +79,11 @@ class ColPaliForRetrieval(AttentionModel, nn.Module):
         self.image_token_id = int(vlm.image_token_id)
         self.num_image_tokens = num_image_tokens(vlm.vision_config)
         self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
-        self.vision_backend: EncoderAttentionBackend = BUCKETED_SDPA
+
+    @property
+    def vision_backend(self) -> EncoderAttentionBackend:
+        """The vision tower's backend (chosen for its own head width)."""
+        return self.vision_tower.attention_backend
 
     # ------------------------------------------------------------ the EncoderModel contract
 
@@ -98,10 +99,11 @@ class ColPaliForRetrieval(AttentionModel, nn.Module):
         self.attention_backend = backend
         self.language_model.set_attention_backend(backend)
         weight = self.embedding_proj_layer.weight
-        spec = self.vision_tower.attention_spec(weight.device, weight.dtype)
+        tower = self.vision_tower
+        spec = AttentionSpec(weight.device, weight.dtype, tower.head_dim, tower.num_patches)
         if weight.dtype == torch.bfloat16:
             spec = with_reduced_precision(spec)
-        self.vision_backend = select_encoder_backend(spec, type(self).__name__)
+        tower.set_attention_backend(select_encoder_backend(spec, type(self).__name__))
 
     def forward(
         self,
@@ -134,7 +136,7 @@ class ColPaliForRetrieval(AttentionModel, nn.Module):
         vision tower over all of them packed, then the projector (not scaled)."""
         weight = self.embedding_proj_layer.weight
         pixels = torch.stack([f.data["pixel_values"] for f in features]).to(weight.device)
-        hidden = self.vision_tower.last_hidden_state(pixels, self.vision_backend)
+        hidden = self.vision_tower.encode(pixels)  # [n, patches, vision hidden]
         rows = self.multi_modal_projector(hidden.flatten(0, 1))
         return list(rows.split(self.num_image_tokens))
 
@@ -163,9 +165,11 @@ class ColPaliForRetrieval(AttentionModel, nn.Module):
                 continue
             if name.startswith("vision_tower."):
                 vision.append((name.removeprefix("vision_tower."), tensor))
+                if _fused(name, SIGLIP_QKV) not in params:
+                    unknown.append(ckpt_name)
             elif name.startswith("language_model."):
                 text.append((name.removeprefix("language_model."), tensor))
-                if _fused(name) not in params:
+                if _fused(name, _STACKED) not in params:
                     unknown.append(ckpt_name)
             elif name in params:
                 rest.append((name, tensor))
@@ -176,7 +180,8 @@ class ColPaliForRetrieval(AttentionModel, nn.Module):
                 f"ColPaliForRetrieval does not use {len(unknown)} checkpoint tensors: "
                 f"{sorted(unknown)[:8]} (a layout or option tidepool does not implement)"
             )
-        loaded = {"vision_tower." + n for n in self.vision_tower.load_weights(vision)}
+        tower = load_fused_weights(self.vision_tower, vision, lambda n: n, SIGLIP_QKV, equal_thirds)
+        loaded = {"vision_tower." + n for n in tower}
         lm = load_fused_weights(self.language_model, text, lambda n: n, _STACKED, _shard_sizes)
         loaded |= {"language_model." + n for n in lm}
         with torch.no_grad():
@@ -193,8 +198,8 @@ class ColPaliForRetrieval(AttentionModel, nn.Module):
         return loaded
 
 
-def _fused(name: str) -> str:
-    """Our parameter name for a checkpoint q / k / v name (they share qkv_proj)."""
-    for marker, (fused, _) in _STACKED.items():
+def _fused(name: str, markers: FusedMarkers) -> str:
+    """Our parameter name for a checkpoint q / k / v name (they share one fused linear)."""
+    for marker, (fused, _) in markers.items():
         name = name.replace(marker, fused)
     return name
