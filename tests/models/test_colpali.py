@@ -186,3 +186,32 @@ def test_bucketed_sdpa_matches_transformers(folder, reference, llm, monkeypatch)
         assert_cosine_close(vectors, expected, depth=DEPTH, reduction=REDUCTION)
         assert_close(vectors, expected, depth=DEPTH, reduction=REDUCTION, dim=-1)
         assert_close(vectors, default, depth=DEPTH, reduction=REDUCTION, dim=-1)
+
+
+def test_both_checkpoint_layouts_load_the_same_weights(folder):
+    """transformers 5 saves vlm.language_model.model.* and vlm.vision_tower.*; the in-memory
+    names (vlm.language_model.*) and transformers 4's SiglipVisionModel names
+    (vlm.vision_tower.vision_model.*), with an lm_head and a SigLIP pooling head (read by
+    nothing), load the same parameters."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from tidepool.models.colpali import ColPaliForRetrieval
+
+    saved = load_file(str(folder / "model.safetensors"))
+    assert any(k.startswith("vlm.language_model.model.") for k in saved)
+    renamed = {
+        k.replace("vlm.language_model.model.", "vlm.language_model.").replace(
+            "vlm.vision_tower.", "vlm.vision_tower.vision_model."
+        ): v
+        for k, v in saved.items()
+    }
+    renamed["vlm.language_model.lm_head.weight"] = saved[
+        "vlm.language_model.model.embed_tokens.weight"
+    ]
+    renamed["vlm.vision_tower.vision_model.head.probe"] = torch.zeros(1, 1, 64)  # never read
+    config = AutoConfig.from_pretrained(str(folder))
+    models = [ColPaliForRetrieval(config), ColPaliForRetrieval(config)]
+    assert models[0].load_weights(saved.items()) == models[1].load_weights(renamed.items())
+    one, two = (dict(m.named_parameters()) for m in models)
+    assert all(torch.equal(one[name], two[name]) for name in one)

@@ -19,11 +19,12 @@ Weights: transformers 5's names (vlm.vision_tower.*, vlm.multi_modal_projector.*
 vlm.language_model.*, embedding_proj_layer.*) and transformers 4's (vlm.language_model.model.*,
 vlm.language_model.lm_head.*, vlm.vision_tower.vision_model.*). A checkpoint tensor this model
 does not use is refused, named, except the LM head (tied to the embeddings; an embedder reads
-hidden states).
+hidden states) and a SigLIP pooling head (PaliGemma reads the patches).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -46,8 +47,15 @@ from tidepool.models.siglip_vision import SIGLIP_QKV, SiglipVisionTower
 from tidepool.models.weights import FusedMarkers, equal_thirds, load_fused_weights
 from tidepool.multimodal.features import MultiModalFeature
 
-_IGNORED = ("language_model.lm_head.", "lm_head.")
-"""Checkpoint tensors read by nothing here: the LM head (tied to embed_tokens)."""
+_IGNORED = (
+    "language_model.lm_head.",
+    "lm_head.",
+    "vision_tower.head.",
+    "vision_tower.vision_model.head.",
+)
+"""Checkpoint tensors read by nothing here: the LM head (tied to embed_tokens) and a SigLIP
+pooling head (PaliGemma reads last_hidden_state; transformers builds the head where the vision
+config leaves vision_use_head at SigLIP's default, and discards its output)."""
 
 
 def num_image_tokens(vision_config: Any) -> int:
@@ -70,7 +78,9 @@ class ColPaliForRetrieval(AttentionModel, nn.Module):
         self.retrieval_config = config
         vlm = config.vlm_config
         self.config = vlm
-        self.vision_tower = SiglipVisionTower(vlm.vision_config)
+        vision = copy.deepcopy(vlm.vision_config)
+        vision.vision_use_head = False  # never read (see _IGNORED)
+        self.vision_tower = SiglipVisionTower(vision)
         self.multi_modal_projector = PaliGemmaMultiModalProjector(vlm)
         self.language_model = PaliGemmaTextEncoder(vlm.text_config)
         self.embedding_dim = int(config.embedding_dim)
