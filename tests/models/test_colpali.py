@@ -215,3 +215,12 @@ def test_both_checkpoint_layouts_load_the_same_weights(folder):
     assert models[0].load_weights(saved.items()) == models[1].load_weights(renamed.items())
     one, two = (dict(m.named_parameters()) for m in models)
     assert all(torch.equal(one[name], two[name]) for name in one)
+
+
+def test_image_content_parts_score_as_page_prompts(llm):
+    """A document given as content parts (the routes' and LLM.score's form) is the page
+    prompt "" + its image: the same scores as the prompt dicts."""
+    parts = [{"content": [{"type": "image_pil", "image_pil": image}]} for image in IMAGES]
+    by_parts = [o.outputs.score for o in llm.score(QUERIES[0], parts, use_tqdm=False)]
+    by_dicts = [o.outputs.score for o in llm.score(QUERIES[0], _pages(), use_tqdm=False)]
+    assert by_parts == by_dicts
