@@ -155,10 +155,14 @@ def test_unused_checkpoint_tensors_are_refused(folder):
         model.load_weights(extra)
 
 
-def test_a_gemma2_text_model_is_refused():
+def test_text_configs_it_does_not_implement_are_refused():
     from tidepool.models.paligemma import check_text_config
 
     config = colpali_config(320).vlm_config.text_config
+    check_text_config(config)
+    config.hidden_activation = "gelu"  # which one trained it: not guessed
+    with pytest.raises(ValueError, match="hidden_activation='gelu' and hidden_act="):
+        check_text_config(config)
     config.model_type = "gemma2"
     with pytest.raises(ValueError, match="PaliGemma 1 .* only"):
         check_text_config(config)

@@ -11,11 +11,14 @@ Facts from transformers 5's modeling_paligemma / modeling_gemma / modeling_colpa
 
 - The image features are the projector's output as they are: Gemma's scale lives in its
   embedding module (GemmaTextScaledWordEmbedding), which image rows never pass through.
-- `position_ids = arange(T) + 1`.
+- `position_ids = arange(T) + 1` (with RoPE a constant shift leaves the attention scores as they
+  are, up to rounding; tidepool rotates the same positions all the same).
 - The attention mask: PaliGemmaModel gets ColPaliProcessor's `token_type_ids` (all 0 for pages
   and queries) and makes every token of the same `token_type_ids == 0` block see every other:
-  the whole unpadded prompt is bidirectional. (Called without token_type_ids its mask is causal
-  where the batch is padded, and bidirectional where SDPA skips the mask: not a rule to copy.)
+  the whole unpadded prompt is bidirectional, whatever the text config's
+  use_bidirectional_attention (it only decides SDPA's is_causal where no mask is built). Called
+  without token_type_ids the mask is causal where the batch is padded, and bidirectional where
+  SDPA skips the mask: not a rule to copy.
 - Gemma 1 layers: RMSNorm scaling by (1 + weight) in float32, two norms per layer, GeGLU with
   `hidden_act`, attention scale head_dim ** -0.5, no soft-capping, no sliding window.
 - An image token id past the vocabulary is looked up as id 0 (its row is replaced anyway).
@@ -52,12 +55,6 @@ def check_text_config(config: Any) -> None:
             f"the Gemma text config has hidden_activation={activation!r} and hidden_act="
             f"{config.hidden_act!r}; transformers' Gemma uses hidden_act, tidepool refuses to "
             "guess which one the checkpoint was trained with"
-        )
-    if getattr(config, "use_bidirectional_attention", True) is False:
-        raise ValueError(
-            "the PaliGemma text config sets use_bidirectional_attention=False; ColPali's "
-            "prompts attend bidirectionally (ColPaliProcessor's token_type_ids), the only "
-            "attention tidepool implements for it"
         )
 
 
