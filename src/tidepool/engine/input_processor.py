@@ -418,9 +418,12 @@ class InputProcessor:
             return RequestError(index, error)
         if self._mm is not None and not mm_features:
             try:
-                ids = self._mm.shape_text(ids)
+                shaped = self._mm.shape_text(ids)
             except ValueError as e:
                 return RequestError(index, str(e))
+            ids = shaped.token_ids
+            if shaped.num_attended_tokens is not None:
+                num_attended_tokens = shaped.num_attended_tokens
         if token_types is not None and not any(token_types):
             token_types = None
         return Request(
