@@ -135,8 +135,9 @@ class PaliGemmaTextEncoder(nn.Module):
         """inputs_embeds [num_tokens, hidden], positions [num_tokens] 0-based per sequence
         → [num_tokens, hidden] in packed order (the layers run on the backend's rows)."""
         rows = meta.rows
-        x = rows.gather(inputs_embeds)
-        cos_sin = self.rotary_emb.cos_sin(rows.gather(positions) + 1, x.dtype)
+        x, pos = rows.gather(inputs_embeds), rows.gather(positions)
+        assert x is not None and pos is not None  # gather keeps a tensor a tensor
+        cos_sin = self.rotary_emb.cos_sin(pos + 1, x.dtype)
         for layer in self.layers:
             x = layer(x, cos_sin, meta)
         return rows.to_tokens(self.norm(x))
