@@ -139,3 +139,90 @@ def build_clip(folder: Path, seed: int = 7, architecture: str = "CLIPModel") -> 
         )
     out.save_pretrained(str(folder))
     return out
+
+
+SIGLIP_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,  # heads of 32 in both towers: one backend (the CPU kernel's width)
+    max_position_embeddings=SIGLIP_TEXT_LEN,
+)
+
+
+def save_siglip_tokenizer(folder: Path, mask_pads: bool) -> object:
+    """A tiny fast tokenizer with SigLIP's template ("X </s>", no BOS, pads of </s>,
+    model_max_length SIGLIP_TEXT_LEN; a unigram model trained on the shared test texts).
+    transformers' own SiglipTokenizer is SentencePiece-only (no tokenizer.json), which
+    tidepool's input processor does not take. mask_pads False: model_input_names
+    ["input_ids"], so the tokenizer gives no attention_mask and the pads are attended."""
+    from conftest import TINY_TEXTS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "</s>", "<unk>"]
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=120, special_tokens=special, unk_token="<unk>", show_progress=False
+    )
+    tok.train_from_iterator(TINY_TEXTS * 3, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="</s>",
+        pad_token="</s>",
+        unk_token="<unk>",
+        model_max_length=SIGLIP_TEXT_LEN,
+        model_input_names=["input_ids", "attention_mask"] if mask_pads else ["input_ids"],
+    )
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def _sharpen(model: torch.nn.Module) -> None:
+    """transformers' SigLIP init (xavier attention, zero biases, unit LayerNorms) gives near
+    uniform attention on a tiny model: scale the queries / keys and perturb biases and norms
+    so that a dropped mask, a wrong row or position shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "in_proj_weight", "probe")):
+                param.mul_(4.0)
+            elif name.endswith("bias") or "layer_norm" in name or "layernorm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+
+
+def build_siglip(
+    folder: Path, seed: int = 7, architecture: str = "SiglipModel", mask_pads: bool = True
+) -> torch.nn.Module:
+    """A tiny SiglipModel (or SiglipVisionModel) saved in `folder` with its tokenizer and PIL
+    image processor (32 px resized without crop, 8 px patches), in eval mode."""
+    import transformers
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = save_siglip_tokenizer(folder, mask_pads)
+    images = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    transformers.SiglipProcessor(images, tokenizer).save_pretrained(str(folder))
+    text = transformers.SiglipTextConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **SIGLIP_TEXT,
+    )
+    vision = transformers.SiglipVisionConfig(**CLIP_VISION)
+    torch.manual_seed(seed)
+    if architecture == "SiglipVisionModel":
+        model: torch.nn.Module = transformers.SiglipVisionModel(vision).eval()
+    else:
+        config = transformers.SiglipConfig(
+            text_config=text.to_dict(), vision_config=vision.to_dict()
+        )
+        model = transformers.SiglipModel(config).eval()
+    _sharpen(model)
+    model.save_pretrained(str(folder))
+    return model

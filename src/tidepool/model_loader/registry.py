@@ -62,6 +62,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2VLModel": ("qwen2_vl", "Qwen2VLModel"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "ColQwen2ForRetrieval": ("colqwen2", "ColQwen2ForRetrieval"),
+    # PaliGemma (SigLIP's patches at the <image> tokens, Gemma bidirectional) + projection.
+    "ColPaliForRetrieval": ("colpali", "ColPaliForRetrieval"),
     # Hybrid sliding-window / full attention: two KV-cache groups in one block pool.
     "Gemma2Model": ("gemma", "Gemma2Model"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
@@ -72,6 +74,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Dual towers (text and images into one space): models/interfaces.py DualTowerModel.
     "CLIPModel": ("clip", "CLIPModel"),
     "CLIPVisionModelWithProjection": ("clip", "CLIPVisionModelWithProjection"),
+    "SiglipModel": ("siglip", "SiglipModel"),
+    "SiglipVisionModel": ("siglip", "SiglipVisionModel"),
 }
 
 # Architectures whose checkpoints may set `use_bidirectional_attention` (a decoder trained as an
@@ -237,9 +241,9 @@ def refuse_unsupported_kind(architecture: str, hf_config: Any, task: str) -> Non
             )
         elif model_type == "siglip":
             hint = (
-                "Nor its text tower: SigLIP's text embedding is its head on the last position of "
-                'a batch padded to a fixed length (padding="max_length"), which tidepool\'s '
-                "packed batches do not reproduce"
+                "tidepool runs SigLIP checkpoints as SiglipModel (texts and images into one "
+                'space: hf_overrides={"architectures": ["SiglipModel"]} on a whole-model '
+                "checkpoint) or SiglipVisionModel (images alone)"
             )
         else:
             hint = "tidepool runs none of its towers alone yet"

@@ -41,6 +41,16 @@ class ProcessedPrompt:
         check_features(self.mm_features, len(self.prompt_token_ids))
 
 
+@dataclass(frozen=True)
+class ShapedText:
+    """A text prompt as the model runs it (ImagePromptProcessor.shape_text)."""
+
+    token_ids: list[int]
+    num_attended_tokens: int | None = None
+    """Keys: the first this many tokens (the others, e.g. SigLIP's pads where its tokenizer
+    masks them, are queries only: Request.num_attended_tokens); None: every token."""
+
+
 class ImagePromptProcessor(ABC):
     """A model family's rule for prompts with images (see the module docstring)."""
 
@@ -55,20 +65,29 @@ class ImagePromptProcessor(ABC):
         """`images`: decoded PIL images, in prompt order; `task`: the request's pooling task
         (or "generate"). Raises ValueError naming what the model cannot take."""
 
-    def shape_text(self, token_ids: list[int]) -> list[int]:
+    def shape_prompt(self, text: str) -> str:
+        """A text prompt without images, before tokenizing: the text the model's processor
+        would tokenize (ColPali's query format); the text itself by default."""
+        return text
+
+    def shape_text(self, token_ids: list[int]) -> ShapedText:
         """A prompt without images, tokenized: the ids the model runs (SigLIP pads to its text
         length); raises ValueError where the model takes no text."""
-        return token_ids
+        return ShapedText(token_ids)
 
 
 _PROCESSORS: dict[str, tuple[str, str]] = {
     # Dual-tower models: an image-only prompt is the vision tower's input.
     "CLIPModel": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
     "CLIPVisionModelWithProjection": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
+    "SiglipModel": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
+    "SiglipVisionModel": ("tidepool.multimodal.dual_tower", "DualTowerProcessor"),
     # Images among the prompt's tokens: one <|image_pad|> per image, expanded to its grid.
     "Qwen2VLModel": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
     "Qwen2VLForConditionalGeneration": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
     "ColQwen2ForRetrieval": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
+    # PaliGemma's <image> tokens, one run of the vision tower's patches per image.
+    "ColPaliForRetrieval": ("tidepool.multimodal.paligemma", "ColPaliPromptProcessor"),
 }
 """Architecture (ModelConfig.architecture) → (module, class) of its ImagePromptProcessor."""
 
