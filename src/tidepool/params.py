@@ -4,17 +4,53 @@ from __future__ import annotations
 
 import copy
 import enum
+import re
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 PoolingTask = Literal["embed", "classify", "score", "token_embed", "token_classify", "embed_sparse"]
 POOLING_TASKS: tuple[str, ...] = get_args(PoolingTask)
-"""Task names a request may carry: vLLM's, and "embed_sparse" (TEI's /embed_sparse: (token id,
-weight) pairs of a SPLADE or BGE-M3 model). A model serves some of them
+"""The built-in task names a request may carry: vLLM's, and "embed_sparse" (TEI's /embed_sparse:
+(token id, weight) pairs of a SPLADE or BGE-M3 model). A model serves some of them
 (`ModelConfig.pooling_tasks`); the pooler refuses the others, naming the ones it serves. vLLM's
 newest releases fold "score" into "classify"; tidepool keeps "score" (a cross-encoder's pair
-score) as the name of the same thing, so code written for either release runs."""
+score) as the name of the same thing, so code written for either release runs. An output head
+may declare more (`declare_pooling_task`): `known_pooling_tasks()` is the whole list."""
+
+_HEAD_TASKS: dict[str, str] = {}
+"""Tasks declared by output heads beyond POOLING_TASKS: task → the head that declared it."""
+
+_TASK_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def known_pooling_tasks() -> tuple[str, ...]:
+    """The built-in tasks, then those the registered output heads declare."""
+    return (*POOLING_TASKS, *_HEAD_TASKS)
+
+
+def declare_pooling_task(task: str, owner: str) -> None:
+    """Make `task` a task name requests may carry, served by output head `owner`
+    (output_heads/registry.py calls it when a head is registered); ValueError for a built-in
+    name, a refused one, a name that is not lower_snake_case, or one another head declared."""
+    if task in POOLING_TASKS or task in _REFUSED_TASKS:
+        raise ValueError(f"output head {owner!r}: {task!r} is a built-in task name")
+    if not _TASK_NAME.fullmatch(task):
+        raise ValueError(
+            f"output head {owner!r}: task name {task!r} must be lower_snake_case "
+            "(a-z, 0-9, _; at most 64 characters)"
+        )
+    holder = _HEAD_TASKS.get(task)
+    if holder is not None and holder != owner:
+        raise ValueError(f"output head {owner!r}: task {task!r} is already declared by {holder!r}")
+    _HEAD_TASKS[task] = owner
+
+
+def withdraw_pooling_task(task: str, owner: str) -> None:
+    """Undo `declare_pooling_task` (the head is unregistered)."""
+    if _HEAD_TASKS.get(task) == owner:
+        del _HEAD_TASKS[task]
+
 
 _REFUSED_TASKS = {
     "encode": "the `encode` task was removed in vLLM; use token_embed or token_classify",
@@ -27,12 +63,12 @@ _DEPRECATED_ALIASES = ("normalize", "activation", "softmax")
 
 
 def check_pooling_task(task: object) -> None:
-    """ValueError naming the task unless it is one of POOLING_TASKS (vLLM's removed / unsupported
-    task names get their own reason)."""
+    """ValueError naming the task unless it is one of known_pooling_tasks() (vLLM's removed /
+    unsupported task names get their own reason)."""
     if isinstance(task, str) and task in _REFUSED_TASKS:
         raise ValueError(_REFUSED_TASKS[task])
-    if task not in POOLING_TASKS:
-        raise ValueError(f"unknown pooling task {task!r}; expected one of {POOLING_TASKS}")
+    if not isinstance(task, str) or task not in known_pooling_tasks():
+        raise ValueError(f"unknown pooling task {task!r}; expected one of {known_pooling_tasks()}")
 
 
 @dataclass
@@ -48,7 +84,7 @@ class PoolingParams:
     model's default (embeddings: what its sentence-transformers modules say; scores: yes)."""
     dimensions: int | None = None
     """Matryoshka: keep the first `dimensions` values of the embedding, then renormalize."""
-    task: PoolingTask | None = None
+    task: str | None = None
     """Filled in by the entry point (`LLM.embed` sets "embed", ...)."""
     truncation_side: Literal["right", "left"] | None = "right"
     """Which end of a text `truncate_prompt_tokens` keeps: "right" cuts the end (keeps the first
@@ -161,7 +197,7 @@ class PoolingParams:
         """A copy (vLLM's `clone`)."""
         return copy.deepcopy(self)
 
-    def with_task(self, task: PoolingTask) -> PoolingParams:
+    def with_task(self, task: str) -> PoolingParams:
         return replace(self, task=task)
 
 

@@ -167,3 +167,83 @@ def test_clip_vision_tower_alone(tmp_path):
     assert_close(got, expected, depth=DEPTH, reduction=REDUCTION)
     with pytest.raises(ValueError, match="vision tower alone"):
         llm.embed(["a text"], use_tqdm=False)
+
+
+def test_clip_by_hub_id_embeds_images(clip, fake_hub):
+    """A Hub id downloads the image processor's config with the weights (a snapshot without it
+    could not take an image): images by id equal the local folder's."""
+    from hub_server import folder_files
+
+    folder, _, llm = clip
+    fake_hub.hub.add("org/tiny-clip", folder_files(folder))
+    images = make_images(2)
+    by_id = LLM("org/tiny-clip", device="cpu", dtype="float32")
+    got = _embed(by_id, [_image_prompt(im) for im in images])
+    torch.testing.assert_close(
+        got, _embed(llm, [_image_prompt(im) for im in images]), rtol=0, atol=0
+    )
+    assert "preprocessor_config.json" in fake_hub.hub.fetched("org/tiny-clip")
+
+
+@pytest.mark.parametrize("impl", ["transformers", "fallback"])
+def test_clip_off_the_native_model_is_refused(clip, impl):
+    """The transformers backend and the fallback take token ids, not images: a clear refusal
+    at load (it was an AttributeError from deep in the backend), naming what runs instead."""
+    folder, _, _ = clip
+    with pytest.raises(ValueError, match=f'model_impl="auto" or "native", not {impl!r}'):
+        LLM(str(folder), model_impl=impl)
+
+
+def _legacy_st_layout(folder, root):
+    """sentence-transformers' older CLIP layout (the Hub's clip-ViT-* repos): modules.json
+    naming its CLIPModel module, the model in 0_CLIPModel/, nothing else at the top."""
+    import json
+    import shutil
+
+    root.mkdir(parents=True)
+    shutil.copytree(folder, root / "0_CLIPModel")
+    modules = [
+        {
+            "idx": 0,
+            "name": "0",
+            "path": "0_CLIPModel",
+            "type": "sentence_transformers.models.CLIPModel",
+        }
+    ]
+    (root / "modules.json").write_text(json.dumps(modules))
+    return root
+
+
+def test_clip_older_sentence_transformers_layout(clip, tmp_path, fake_hub, monkeypatch):
+    """The folder and its Hub id load to sentence-transformers' own vectors on that folder
+    (raw: no Normalize module), images and texts; offline, from the cache."""
+    from hub_server import folder_files
+    from sentence_transformers import SentenceTransformer
+
+    folder, _, llm = clip
+    root = _legacy_st_layout(folder, tmp_path / "clip-ViT-tiny")
+    images = make_images(4, seed=5)
+    prompts = [*map(_image_prompt, images), *TEXTS]
+    st = SentenceTransformer(str(root), device="cpu")
+    reference = torch.cat(
+        [st.encode(images, convert_to_tensor=True), st.encode(TEXTS, convert_to_tensor=True)]
+    )
+    local = LLM(str(root), device="cpu", dtype="float32")
+    got = torch.tensor([o.outputs.embedding for o in local.embed(prompts, use_tqdm=False)])
+    assert F.cosine_similarity(got, reference, dim=-1).min() >= 0.9999
+    norms = got.norm(dim=-1)
+    assert ((norms - reference.norm(dim=-1)).abs() <= 1e-4 * norms).all()  # raw, as ST
+    assert (norms - 1).abs().max() > 1e-2  # guard: not normalized
+    fake_hub.hub.add("org/clip-legacy", folder_files(root))
+    by_id = LLM("org/clip-legacy", device="cpu", dtype="float32")
+    again = torch.tensor([o.outputs.embedding for o in by_id.embed(prompts, use_tqdm=False)])
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    assert "0_CLIPModel/preprocessor_config.json" in fake_hub.hub.fetched("org/clip-legacy")
+    fake_hub.hub.stop()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cached = LLM("org/clip-legacy", device="cpu", dtype="float32")
+    offline = torch.tensor([o.outputs.embedding for o in cached.embed(prompts, use_tqdm=False)])
+    torch.testing.assert_close(offline, got, rtol=0, atol=0)

@@ -55,6 +55,8 @@ def test_select_files_takes_what_the_load_reads():
         "sparse_linear.pt",
         "colbert_linear.pt",
         "artifact.metadata",
+        "preprocessor_config.json",
+        "processor_config.json",
         "modeling_x.py",
         ".gitattributes",
         "training_args.bin",
@@ -71,6 +73,8 @@ def test_select_files_takes_what_the_load_reads():
         "config_sentence_transformers.json",
         "model.safetensors",
         "modules.json",
+        "preprocessor_config.json",
+        "processor_config.json",
         "sentence_bert_config.json",
         "sentencepiece.bpe.model",
         "sparse_linear.pt",
@@ -306,3 +310,14 @@ def test_ray_job_downloads_on_the_driver_and_pins_the_commit(fake_hub, tmp_path,
     assert jobs[0].engine_kwargs["revision"] == fake_hub.commits["v2"]
     assert jobs[0].model == "org/tiny-st"
     assert locate_model("org/tiny-st").source == "Hugging Face cache"
+
+
+def test_the_older_sentence_transformers_clip_layout_is_recognised_by_its_listing():
+    from tidepool.checkpoint.legacy_clip import listed_module_config
+
+    legacy = ["modules.json", "0_CLIPModel/config.json", "0_CLIPModel/model.safetensors"]
+    assert listed_module_config(select_files(legacy)) == "0_CLIPModel/config.json"
+    assert "0_CLIPModel/model.safetensors" in select_files(legacy)
+    assert listed_module_config(["modules.json", "0_Transformer/config.json"]) is None
+    assert listed_module_config(["config.json", *legacy]) is None  # a normal folder
+    assert listed_module_config(legacy[1:]) is None  # no modules.json

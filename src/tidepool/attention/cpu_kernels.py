@@ -14,7 +14,7 @@ three tile products (float32-like accuracy); the softmax stays float32 in every 
 AMX (AMD Zen 4 / 5), "bf16" runs the same rounding on vdpbf16ps dot products and "bf16x3" the
 float32 FMAs (`products`). It replaces PyTorch's
 CPU SDPA for the native encoders because SDPA's flash kernel runs 32- and 64-wide heads as many
-tiny GEMMs (25-60 GFLOP/s here; figures in docs/performance.md). Written by hand deliberately:
+tiny GEMMs (far below the CPU's GEMM rate: figures in docs/performance.md). Written by hand deliberately:
 no maintained library offers varlen encoder attention for CPU (vLLM's CPU kernels are part of
 vLLM, not a library).
 

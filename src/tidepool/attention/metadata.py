@@ -10,7 +10,7 @@ is attended to as one padded [num_seqs, max_len] batch. Worked example, lengths 
 
 Padding stays below `max_pad_fraction` of a bucket, so the waste is bounded, and the number of
 kernel calls per layer is the number of buckets, not the number of sequences (a per-sequence loop
-costs ~0.2 ms of framework overhead per call on CPU, more than the arithmetic for short texts).
+pays framework overhead per call, more than the arithmetic for short texts: docs/performance.md, 'Choices in the encoder path').
 
 A sequence may also have fewer keys than tokens (`key_lens`: a ColBERT query whose [MASK]
 expansion attends to the text but is not attended to, as PyLate's attention mask of zeros on

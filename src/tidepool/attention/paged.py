@@ -10,9 +10,9 @@ blocks in place (cpu_paged_decode.py, where it builds); elsewhere, and for the S
 step gathers each request's blocks with one
 `index_select` along the block axis of a [2 * num_kv_heads, num_blocks, block_size * head_size]
 view: contiguous rows of block_size * head_size values, and the result is already the
-[heads * seqs, keys, head_size] layout that attention wants. Measured on the 2-core CPU, 64 decodes
-of 400 tokens, 2 KV heads of 64: 3.9 ms per layer; the page-major layout [num_blocks, 2, heads,
-block_size, head_size] needs a second copy to bring heads forward and takes 9 ms.
+[heads * seqs, keys, head_size] layout that attention wants. The page-major layout [num_blocks,
+2, heads, block_size, head_size] needs a second copy to bring heads forward and measured about
+twice as slow (docs/performance.md, 'Choices elsewhere in the code').
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def write_kv(
         return
     _, num_kv_heads, num_blocks, block_size, head_size = kv_cache.shape
     slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_size)
-    # Advanced-index assignment (index_put_) beats index_copy_ here: 3.8 vs 5.8 ms at 8K tokens.
+    # Advanced-index assignment (index_put_) beats index_copy_ here (docs/performance.md, 'Choices elsewhere in the code').
     slots[0][:, slot_mapping] = key.transpose(0, 1)
     slots[1][:, slot_mapping] = value.transpose(0, 1)
 
@@ -231,6 +231,7 @@ def allocate_kv_caches(
 
 def _zeroed_bytes(num_bytes: int, device: torch.device) -> torch.Tensor:
     # Zeroed now, not lazily (calloc): a page's first write costs a page fault plus zeroing,
-    # which made an 8K-token KV write 30 ms instead of 3 until the block pool had cycled
-    # through the whole cache. Paying it at start-up keeps step times steady (vLLM does the same).
+    # which made KV writes many times slower until the block pool had cycled through the whole
+    # cache. Paying it at start-up keeps step times steady (vLLM does the same; figures in
+    # docs/performance.md, 'Choices elsewhere in the code').
     return torch.zeros(num_bytes, dtype=torch.uint8, device=device)

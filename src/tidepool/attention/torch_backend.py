@@ -1,11 +1,10 @@
 """Bidirectional attention over a packed batch on torch ops (CPU and CUDA).
 
 Each bucket (sequences of similar length, see metadata.py) is one SDPA call with a key-padding
-mask. Measured on the 2-core CPU, MiniLM on 800 texts, CPU seconds, alternating configurations:
-SDPA for every bucket beat an explicit form (QK^T via baddbmm with the mask fused, float32
-softmax, PV) by 1.1x-1.2x in float32 and 1.3x-1.5x in bfloat16 for long buckets (its streaming
-softmax stays in cache where [len, len] score matrices do not), and tied on short ones; a
-per-sequence SDPA loop costs ~0.2 ms of framework overhead per call.
+mask. SDPA for every bucket beat an explicit form (QK^T via baddbmm with the mask fused, float32
+softmax, PV) on long buckets (its streaming softmax stays in cache where [len, len] score
+matrices do not) and tied on short ones; a per-sequence SDPA loop pays framework overhead per
+call (figures: docs/performance.md, 'Choices in the encoder path').
 
 These functions are the `bucketed_sdpa` backend (backends/bucketed_sdpa.py);
 `encoder_attention_heads` also runs the sliding-window layers of the transformers backend's

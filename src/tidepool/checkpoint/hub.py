@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tidepool import envs
+from tidepool.checkpoint import legacy_clip
 
 logger = logging.getLogger("tidepool")
 
@@ -56,6 +57,9 @@ _TOP_LEVEL_FILES = frozenset(
         "modules.json",
         "config_sentence_transformers.json",
         "sentence_bert_config.json",
+        # image models' processors (CLIP, SigLIP, Qwen2-VL, ColPali: multimodal/processing.py)
+        "preprocessor_config.json",
+        "processor_config.json",
         # FlagEmbedding's BGE-M3 heads; colbert-ir's ColBERT metadata
         "sparse_linear.pt",
         "colbert_linear.pt",
@@ -236,15 +240,22 @@ def find_in_cache(repo_id: str, options: HubOptions) -> Snapshot | None:
     it lacks for the load; None when the cache has no such snapshot with a config.json."""
     from huggingface_hub import try_to_load_from_cache
 
-    try:
-        found = try_to_load_from_cache(
-            repo_id, "config.json", cache_dir=options.cache_dir, revision=options.revision
-        )
-    except ValueError:  # not a valid repo id / revision
-        return None
+    found = None
+    # config.json at the top; sentence-transformers' older CLIP layout has modules.json there.
+    for name in ("config.json", "modules.json"):
+        try:
+            found = try_to_load_from_cache(
+                repo_id, name, cache_dir=options.cache_dir, revision=options.revision
+            )
+        except ValueError:  # not a valid repo id / revision
+            return None
+        if isinstance(found, str):
+            break
     if not isinstance(found, str):
         return None
     folder = Path(found).parent
+    if name == "modules.json" and legacy_clip.module_folder(folder) is None:
+        return None
     tree = _cached_tree(repo_id, folder.name, options.cache_dir)
     if tree is not None:
         wanted = select_files(tree, options.trust_remote_code)
@@ -299,7 +310,7 @@ def _download(repo_id: str, options: HubOptions) -> Snapshot:
     files = [s.rfilename for s in info.siblings or ()]
     wanted = select_files(files, options.trust_remote_code)
     where = _describe(repo_id, options)
-    if "config.json" not in wanted:
+    if "config.json" not in wanted and legacy_clip.listed_module_config(wanted) is None:
         raise ModelNotFoundError(
             f"{where} on {endpoint()} has no config.json: not a transformers model folder"
         )

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tidepool.checkpoint import legacy_clip
 from tidepool.checkpoint.hub import (
     HubOptions,
     ModelAccessError,
@@ -110,6 +111,9 @@ def locate_model(
                     "folder (give the Hub id, or no revision)"
                 )
             return _found(model_id, ModelLocation(path.resolve(), "local folder"))
+        clip_module = legacy_clip.module_folder(path)
+        if clip_module is not None:  # sentence-transformers' older CLIP layout
+            return _found(model_id, ModelLocation(clip_module.resolve(), _CLIP_MODULE_SOURCE))
         tried.append(f"local folder {path} (it has no config.json)")
     else:
         tried.append(f"local folder {path} (does not exist)")
@@ -178,7 +182,15 @@ def _from_hub(
     return _found(model_id, _location(snapshot, "Hub")), None
 
 
+_CLIP_MODULE_SOURCE = "local folder, its sentence-transformers CLIPModel module"
+
+
 def _location(snapshot: Snapshot, source: str) -> ModelLocation:
+    if not (snapshot.path / "config.json").is_file():
+        clip_module = legacy_clip.module_folder(snapshot.path)
+        if clip_module is not None:
+            source += ", its sentence-transformers CLIPModel module"
+            return ModelLocation(clip_module, source, snapshot.commit)
     return ModelLocation(snapshot.path, source, snapshot.commit)
 
 
@@ -360,6 +372,11 @@ def _tokenizer_max_length(folder: Path) -> int | None:
 
 def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
     modules = _read_json(folder / "modules.json")
+    root = folder
+    if modules is None:  # the CLIPModel module of an older sentence-transformers CLIP folder?
+        around = legacy_clip.modules_around(folder)
+        if around is not None:
+            modules, root = around, folder.parent
     bert_cfg = _read_json(folder / "sentence_bert_config.json") or {}
     st_cfg = _read_json(folder / "config_sentence_transformers.json") or {}
     pooling_mode = None
@@ -368,10 +385,10 @@ def load_sentence_transformers_meta(folder: Path) -> SentenceTransformersMeta:
     normalize = False
     for module in modules or []:
         mtype = module.get("type", "")
-        mpath = folder / module.get("path", "")
+        mpath = root / module.get("path", "")
         if mtype.rsplit(".", 1)[-1] not in _ST_MODULES:
             raise ValueError(
-                f"{folder}/modules.json: the sentence-transformers module {mtype!r} is not "
+                f"{root}/modules.json: the sentence-transformers module {mtype!r} is not "
                 f"supported (tidepool runs {', '.join(_ST_MODULES)}); its outputs would differ"
             )
         if mtype.endswith("Pooling"):

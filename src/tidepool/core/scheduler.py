@@ -119,9 +119,9 @@ LONG_INPUT_SHARE = 8
 """Chunks of long inputs (Request.long_input_chunk) take at most 1 / LONG_INPUT_SHARE of a
 step's token budget (at least one chunk a step): a step full of chunks is one that a request
 arriving meanwhile waits for whole (~1 s for 4,096 tokens on two loaded CPU cores), and the
-requests behind the chunks take the rest of each step. Measured (benchmarks/
-long_input_fairness.py, docs/server.md): one chunk a step while others wait cut the short
-requests' p99 further but slowed the long input 1.9x; 1/8 of the budget, 1.5x."""
+requests behind the chunks take the rest of each step. One chunk a step while others wait cut
+the short requests' p99 further but slowed the long input more (benchmarks/
+long_input_fairness.py; figures in docs/performance.md, 'Choices elsewhere in the code')."""
 
 
 class EncoderScheduler(Scheduler):

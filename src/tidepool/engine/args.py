@@ -189,8 +189,8 @@ class EngineArgs:
             if model_config.is_causal:
                 max_num_batched_tokens = CAUSAL_DEFAULT_MAX_NUM_BATCHED_TOKENS
             else:
-                # Measured (MiniLM, 800 texts, CPU seconds): 4,096-token steps beat 8,192 by 1.1x
-                # and 16,384 by 1.3x in float32 (activations stay closer to cache), tie in bfloat16.
+                # 4,096-token steps beat larger ones in float32 (activations stay closer to
+                # cache) and tie in bfloat16 (docs/performance.md, 'Choices in the encoder path').
                 max_num_batched_tokens = ENCODER_DEFAULT_MAX_NUM_BATCHED_TOKENS
             if whole_prompts:
                 max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)

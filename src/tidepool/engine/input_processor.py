@@ -196,7 +196,10 @@ class InputProcessor:
             else:
                 # The prompt goes before the text (sentence-transformers' encode(prompt_name=)).
                 prefix = prompt_text(self.model_config, params[i].prompt_name)
-                texts.append((i, prefix + p.text, budget))  # type: ignore[operator]
+                text = prefix + p.text  # type: ignore[operator]
+                if self._mm is not None:  # the model's processor's text (ColPali's queries)
+                    text = self._mm.shape_prompt(text)
+                texts.append((i, text, budget))
         firsts = self._prefix_tokenizer.first_tokens(
             [text for _, text, _ in texts],
             [self._num_to_read(text, b, params[i]) for i, text, b in texts],

@@ -2,7 +2,7 @@
 strings, logprobs.
 
 Detokenization is incremental: each new token adds only the text it completes. With a fast
-tokenizer this is tokenizers' DecodeStream (Rust, ~1 us a token), primed with the end of the
+tokenizer this is tokenizers' DecodeStream (Rust, cheap per token), primed with the end of the
 prompt so that a first token like "▁Hello" keeps its leading space, as vLLM does; otherwise it
 decodes a short window of tokens (vLLM's prefix / read offsets).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tidepool.config import ModelConfig
 from tidepool.output_heads import get_head, task_needs
-from tidepool.params import POOLING_TASKS
+from tidepool.params import known_pooling_tasks
 
 
 def supported_tasks(model_config: ModelConfig) -> tuple[str, ...]:
@@ -30,10 +30,10 @@ def model_kind(model_config: ModelConfig) -> str:
 
 def check_task_supported(model_config: ModelConfig, task: str) -> None:
     """Raise ValueError, before any work, if the model cannot serve `task` ("embed", "classify",
-    "score", "token_embed", "token_classify"). "score" also works on embedding models (the
-    cosine of two embeddings)."""
-    if task not in POOLING_TASKS:
-        raise ValueError(f"unknown pooling task {task!r}; expected one of {POOLING_TASKS}")
+    "score", "token_embed", "token_classify", or a task an output head declares). "score" also
+    works on embedding models (the cosine of two embeddings)."""
+    if task not in known_pooling_tasks():
+        raise ValueError(f"unknown pooling task {task!r}; expected one of {known_pooling_tasks()}")
     tasks = supported_tasks(model_config)
     # An embedding model scores by cosine, a ColBERT model (token_embed only) by MaxSim.
     if task in tasks or (task == "score" and ("embed" in tasks or "token_embed" in tasks)):

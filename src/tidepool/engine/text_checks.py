@@ -13,7 +13,7 @@ from __future__ import annotations
 
 def unicode_problem(text: str) -> str | None:
     """Why the tokenizer cannot take `text`, as the end of a sentence ("has a lone surrogate ..."),
-    or None when it can. O(len(text)) at C speed (~30 ms for 30 MB), O(1) for ASCII."""
+    or None when it can. O(len(text)) at C speed, O(1) for ASCII."""
     if text.isascii():
         return None
     try:

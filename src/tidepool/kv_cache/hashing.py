@@ -7,10 +7,10 @@
 Only full blocks are hashed; a partial last block is never cached.
 
 Choice of hash: SHA-256 over a byte encoding (parent digest, token count, token ids as little-endian
-int64, then `repr` of the extra keys). Python's `hash()` would be ~10x faster but is 64-bit (a
+int64, then `repr` of the extra keys). Python's `hash()` would be faster but is 64-bit (a
 crafted collision would serve one user's KV to another) and is randomized per process for `str`
 (a cache salt). SHA-256 is stable across processes and Python versions, so hashes can later be
-shared between engines. The cost is ~1 us per block of 16 tokens, paid once per block.
+shared between engines; its cost is paid once per full block (figures: docs/performance.md, 'Choices elsewhere in the code').
 Extra keys must be built from None, bool, int, str and tuples of them: their `repr` is stable.
 """
 

@@ -62,6 +62,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2VLModel": ("qwen2_vl", "Qwen2VLModel"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "ColQwen2ForRetrieval": ("colqwen2", "ColQwen2ForRetrieval"),
+    # PaliGemma (SigLIP's patches at the <image> tokens, Gemma bidirectional) + projection.
+    "ColPaliForRetrieval": ("colpali", "ColPaliForRetrieval"),
     # Hybrid sliding-window / full attention: two KV-cache groups in one block pool.
     "Gemma2Model": ("gemma", "Gemma2Model"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),

@@ -202,6 +202,7 @@ def resolve_model(
     if model_impl in ("auto", "native") and task != "generate":
         arch = native_architecture(arch, hf_config)  # EmbeddingGemma: the encoder variant
     impl = resolve_model_impl(arch, model_impl)
+    _refuse_images_off_native(arch, hf_config, impl)
     output_head = "task" if head is None else head.head
     sparse = None if head is None else head.sparse
     if impl == "native":
@@ -284,6 +285,19 @@ def _token_id(path: Path, token: str) -> int:
     if token_id is None:
         raise ValueError(f"classifier_from_token: {token!r} is not one token of the vocabulary")
     return int(token_id)
+
+
+def _refuse_images_off_native(arch: str, hf_config: Any, impl: str) -> None:
+    """An image model (a vision_config: CLIP, SigLIP, Qwen2-VL, ColPali) runs on its native model
+    only: the transformers backend and the fallback take token ids, not images."""
+    if impl == "native" or getattr(hf_config, "vision_config", None) is None:
+        return
+    raise ValueError(
+        f"{arch} takes images, which only tidepool's native {arch} runs: load it with "
+        f'model_impl="auto" or "native", not {impl!r}. (A CLIPModel folder\'s text tower alone '
+        'runs on the transformers backend with hf_overrides={"architectures": '
+        '["CLIPTextModelWithProjection"]}.)'
+    )
 
 
 def _checkpoint_architecture(hf_config: Any) -> str:

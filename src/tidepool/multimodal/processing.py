@@ -65,6 +65,11 @@ class ImagePromptProcessor(ABC):
         """`images`: decoded PIL images, in prompt order; `task`: the request's pooling task
         (or "generate"). Raises ValueError naming what the model cannot take."""
 
+    def shape_prompt(self, text: str) -> str:
+        """A text prompt without images, before tokenizing: the text the model's processor
+        would tokenize (ColPali's query format); the text itself by default."""
+        return text
+
     def shape_text(self, token_ids: list[int]) -> ShapedText:
         """A prompt without images, tokenized: the ids the model runs (SigLIP pads to its text
         length); raises ValueError where the model takes no text."""
@@ -82,6 +87,8 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
     "Qwen2VLModel": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
     "Qwen2VLForConditionalGeneration": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
     "ColQwen2ForRetrieval": ("tidepool.multimodal.qwen2_vl", "Qwen2VLPromptProcessor"),
+    # PaliGemma's <image> tokens, one run of the vision tower's patches per image.
+    "ColPaliForRetrieval": ("tidepool.multimodal.paligemma", "ColPaliPromptProcessor"),
 }
 """Architecture (ModelConfig.architecture) → (module, class) of its ImagePromptProcessor."""
 

@@ -99,7 +99,9 @@ class OutputHead(Generic[M]):
 
     name: str
     tasks: tuple[str, ...]
-    """The pooling tasks it serves, in order (the first is the default); () for "task"."""
+    """The pooling tasks it serves, in order (the first is the default); () for "task". A name
+    beyond the built-in POOLING_TASKS is a task of its own (a plugin's "reward", say): requests
+    may carry it once the head is registered, and its token pooler computes it."""
     protocol: type
     """What the model must provide (a runtime-checkable Protocol, the `M` its token poolers
     take); `object` for none."""
@@ -121,12 +123,23 @@ class OutputHead(Generic[M]):
     def __post_init__(self) -> None:
         if not self.tasks and self.name != "task":
             raise ValueError(f"output head {self.name!r} serves no pooling task")
-        for task in (*self.tasks, *self.token_poolers, *self.task_needs):
-            if task not in POOLING_TASKS:
+        for task in (*self.token_poolers, *self.task_needs):
+            if task not in POOLING_TASKS and task not in self.tasks:
                 raise ValueError(
                     f"output head {self.name!r}: unknown pooling task {task!r}; expected one of "
-                    f"{POOLING_TASKS}"
+                    f"{POOLING_TASKS} or a task of its own (`tasks`)"
                 )
+        for task in self.new_tasks:
+            if task not in self.token_poolers:
+                raise ValueError(
+                    f"output head {self.name!r}: its own task {task!r} needs a token pooler "
+                    "(only the built-in tasks have sequence poolers)"
+                )
+
+    @property
+    def new_tasks(self) -> tuple[str, ...]:
+        """Its tasks beyond the built-in ones (declared when the head is registered)."""
+        return tuple(t for t in self.tasks if t not in POOLING_TASKS)
 
     def bind(self, model: object) -> M:
         """`model` as this head's protocol types it; TypeError (at load) when it lacks it."""

@@ -1,9 +1,9 @@
-"""The "colvision" head: ColPali-family retrievers (ColQwen2): one vector per image and text
+"""The "colvision" head: ColPali-family retrievers (ColQwen2, ColPali): one vector per image and text
 token from the model's own projection, normalized; scored by MaxSim (engine/pooling.py).
 
     token_embed   rows [len, hidden] → compute_token_vectors → [len, dim] → L2 per token
 
-transformers' ColQwen2ForRetrieval(...).embeddings are these vectors (its padding rows zeroed).
+transformers' ColQwen2ForRetrieval / ColPaliForRetrieval(...).embeddings are these vectors (its padding rows zeroed).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tidepool.models.interfaces import TokenVectorHead
 from tidepool.output_heads.base import Checkpoint, HeadChoice, OutputHead, PoolerContext
 from tidepool.params import PoolingParams
 
-COLVISION_ARCHITECTURES = ("ColQwen2ForRetrieval",)
+COLVISION_ARCHITECTURES = ("ColQwen2ForRetrieval", "ColPaliForRetrieval")
 """The checkpoints' architectures this head serves (each a native model with the projection)."""
 
 
@@ -42,7 +42,7 @@ COLVISION = OutputHead(
     provides="per-token projection (compute_token_vectors)",
     token_poolers={"token_embed": token_embed},
     detect=detect,
-    kind="a visual document retriever (ColQwen2)",
-    label="ColQwen2",
+    kind="a visual document retriever (ColQwen2, ColPali)",
+    label="ColQwen2 / ColPali",
     task_needs={"token_embed": "an embedding model"},
 )

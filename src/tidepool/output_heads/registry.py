@@ -11,21 +11,34 @@ from __future__ import annotations
 from typing import Any
 
 from tidepool.output_heads.base import Checkpoint, HeadChoice, OutputHead
+from tidepool.params import declare_pooling_task, withdraw_pooling_task
 
 _HEADS: dict[str, OutputHead[Any]] = {}
 
 
 def register_head(head: OutputHead[Any]) -> OutputHead[Any]:
-    """Add `head` (detected after the ones registered before it); ValueError on a taken name."""
+    """Add `head` (detected after the ones registered before it) and declare its own tasks;
+    ValueError on a taken head or task name."""
     if head.name in _HEADS:
         raise ValueError(f"an output head named {head.name!r} is already registered")
+    declared: list[str] = []
+    try:
+        for task in head.new_tasks:
+            declare_pooling_task(task, head.name)
+            declared.append(task)
+    except ValueError:
+        for task in declared:
+            withdraw_pooling_task(task, head.name)
+        raise
     _HEADS[head.name] = head
     return head
 
 
 def unregister_head(name: str) -> None:
     """Remove a head registered by `register_head` (a plugin unloading, a test's teardown)."""
-    get_head(name)
+    head = get_head(name)
+    for task in head.new_tasks:
+        withdraw_pooling_task(task, name)
     del _HEADS[name]
 
 

@@ -97,8 +97,7 @@ two-part weights. On the fixed corpus the top-10 overlap lost is ~2.1·sqrt(1 - 
 issue 17's 0.95 needs ~5.7e-4; the load check's figure tracks the corpus' (all-MiniLM-L6-v2
 one-part: 6.2e-4 at load, 7.7e-4 on the corpus, overlap 0.935; two-part 3.0e-4 / 3.2e-4,
 0.957), and this leaves a margin. Random-weight BERT-base / MiniLM cross-encoder shapes: one-part
-1.8e-5 / 2.6e-6 (no outlier channels), so they keep one GEMM per linear (1.38x faster on
-BERT-base)."""
+1.8e-5 / 2.6e-6 (no outlier channels), so they keep one GEMM per linear (faster: docs/performance.md, 'Choices elsewhere in the code')."""
 
 # The calibration pass and the load check run on ordinary text, tokenized by the model's own
 # tokenizer, and on as many sequences of random token ids (together they measured the most robust

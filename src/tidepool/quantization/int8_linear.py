@@ -106,7 +106,7 @@ def quantize_per_token(
     then x · 127/max + 1.5·2²³ in one `addcmul`, whose float32 result holds the rounded integer
     in its low mantissa bits (for |v| < 2²²), so viewing the bits as int32 and casting keeps v:
     no separate round pass (ties may round differently from torch.round: one rounding of the
-    exact product instead of two). Measured 2.5x the round-and-cast form at [4096, 384]."""
+    exact product instead of two). Faster than the round-and-cast form (docs/performance.md, 'Choices elsewhere in the code')."""
     if smoothing is not None:
         x = x * smoothing
     amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_(min=_MIN_SCALE)
@@ -374,7 +374,7 @@ class Int8Linear(nn.Module):
         """Write outputs into `scratch` (shared with layers of the same role) instead of a fresh
         tensor: for a layer whose output is dead before the next layer of its role runs (a
         BERT layer's QKV, FFN up, and the residual stream but the last layer's: quantization/chains.py).
-        A fresh 50 MB tensor costs 7x its write in page faults."""
+        A fresh large tensor costs several times its write in page faults."""
         self.__dict__["_scratch"] = scratch
 
     def _output(self, rows: int) -> torch.Tensor:

@@ -154,8 +154,8 @@ def _gptq_block(
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
-    """GPTQ's loop is thousands of small ops: on one thread each is ~10x faster than on two
-    (measured; two threads wait on each other whenever the machine is busy)."""
+    """GPTQ's loop is thousands of small ops: on one thread each is far faster than on two
+    (two threads wait on each other whenever the machine is busy; docs/performance.md, 'Choices elsewhere in the code')."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -185,8 +185,8 @@ def _token_layout(
     query_lens: list[int], context_lens: list[int], num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cu_query_lens [requests + 1], position [tokens], request index [tokens]), int64 CPU
-    tensors. numpy's repeat, not torch.repeat_interleave: the latter took ~6 ms a call at 64
-    decodes on the 2-core machine (two calls: ~1% of a decode step)."""
+    tensors. numpy's repeat, not torch.repeat_interleave: the latter cost about 1% of a decode
+    step (docs/performance.md, 'Choices elsewhere in the code')."""
     q = np.asarray(query_lens, dtype=np.int64)
     cu: np.ndarray = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(q, out=cu[1:])

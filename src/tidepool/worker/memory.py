@@ -13,10 +13,11 @@ Remedy, two parts, both chosen by measurement:
     `LRU_CACHE_CAPACITY`), set before the first oneDNN primitive of the process: the in-use heap
     then stops growing after ~40 calls, and building a float32 primitive is cheap (even no cache
     at all was not slower). bfloat16 / float16 keep torch's 1,024: an AMX primitive takes
-    milliseconds to build, and no cache made their steps 2-5x slower, a 256 cap ~2x slower on
+    milliseconds to build, and no cache or a 256 cap made their steps several times slower on
     one-text requests of 50 lengths (least-recently-used thrashing);
   * `malloc_trim(0)` after a step, at most once per `TRIM_INTERVAL_S`: glibc then returns the
-    free pages inside its heap (5-17 ms per trim, so well under 1% of step time at that rate).
+    free pages inside its heap (a trim costs milliseconds: well under 1% of step time at that
+    rate; figures in docs/performance.md, 'Choices elsewhere in the code').
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ CACHE_CAPACITY_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACI
 DEFAULT_CACHE_CAPACITY = 1024
 CACHE_CAPACITY_BY_DTYPE = {torch.float32: 256}
 
-# Seconds of engine time between two malloc_trim calls (each costs 5-17 ms on a ~1.5 GB heap).
+# Seconds of engine time between two malloc_trim calls (each costs milliseconds on a large heap).
 TRIM_INTERVAL_S = 2.0
 
 
@@ -72,8 +73,8 @@ class NativeMemory:
     @classmethod
     def start(cls, dtype: torch.dtype, quantization: str | None = None) -> NativeMemory:
         """Apply TIDEPOOL_ONEDNN_CACHE_CAPACITY for a model of `dtype` (int8 `quantization`: as
-        bfloat16, torch's 1,024: an int8 primitive took ~0.9 ms to build against ~0.2 ms to run
-        at 100-130 rows, so a 256 cap would thrash like bfloat16's): cap oneDNN's caches
+        bfloat16, torch's 1,024: an int8 primitive takes longer to build than to run at a
+        hundred rows, so a 256 cap would thrash like bfloat16's): cap oneDNN's caches
         (unless the user set their variables) and find glibc's malloc_trim. Must run before the process's
         first oneDNN primitive (oneDNN reads the capacities once); the runner calls it before
         loading the model, whose weight packing creates the first primitives."""

@@ -46,8 +46,8 @@ def pooling_data(
 
 # The float lists of a response are most of its work: `tolist()` makes a Python float per value,
 # pydantic checks each, then writes each. With orjson installed (the `server` extras) the vectors
-# stay arrays until the response is written, in one call from the array's buffer: ~3x less CPU
-# per response (32 vectors of 384: 2.3 ms → 0.8 ms). float64 arrays, so that every number is
+# stay arrays until the response is written, in one call from the array's buffer: a fraction of
+# the CPU per response (docs/performance.md, 'Choices elsewhere in the code'). float64 arrays, so that every number is
 # written exactly as `tolist()` + pydantic write it (the float32 value, in full).
 def vectors_of(
     outputs: list[PoolingRequestOutput],

@@ -173,8 +173,8 @@ async def serve_until_disconnect(
     over: the work is cancelled too (its engine requests aborted) and the client gets a 503.
 
     The work runs in a task of its own: its many awaits then resume a short chain of coroutines,
-    not this handler's, which sits under every middleware (measured: ~0.15 ms more per request
-    in the handler's task). The watcher task and the deadline's timer cancel the work task by a
+    not this handler's, which sits under every middleware (measured slower in the handler's
+    task: docs/performance.md, 'Choices elsewhere in the code'). The watcher task and the deadline's timer cancel the work task by a
     callback, so this handler awaits once (asyncio.wait would cost as much again)."""
     work_task = asyncio.ensure_future(work)
     watch = _Watch(work_task)

@@ -5,10 +5,8 @@
 
 On CPU (float32 / bfloat16) the weight is reordered once after loading into oneDNN's blocked
 layout and the activation or the residual add run as GEMM post-ops, so each costs no extra pass
-over memory. Measured on the 2-core AVX-512/AMX CPU at 4,096 tokens (MiniLM's FFN, 384 → 1536):
-float32 F.linear 44 ms, +GELU 54 ms; packed 33 ms, packed with fused GELU 35 ms; bfloat16
-F.linear 16 ms, +GELU 24 ms; packed with fused GELU 8-10 ms. Elsewhere (CUDA, other dtypes,
-torch without oneDNN) it is plain F.linear followed by the same ops.
+over memory (figures: docs/performance.md, 'Choices in the encoder path'). Elsewhere (CUDA, other dtypes, torch without
+oneDNN) it is plain F.linear followed by the same ops.
 """
 
 from __future__ import annotations

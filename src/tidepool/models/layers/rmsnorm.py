@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
             return cpu_decoder_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # Four passes, the temporaries reused: on CPU F.rms_norm decomposes into more ops and
-            # is 2x slower (8,192 x 512: 8.9 vs 17.8 ms).
+            # is slower (docs/performance.md, 'Choices elsewhere in the code').
             inv_rms = torch.mean(x * x, dim=-1, keepdim=True).add_(self.eps).rsqrt_()
             return torch.mul(x, inv_rms).mul_(self.weight)
         # Lower precision: the statistics in float32, as transformers computes them.

@@ -1,0 +1,302 @@
+"""CLIP image embedding: tidepool vs sentence-transformers, images/s on the same images, one run.
+
+The model has CLIP ViT-B/32's shape with random weights (fixed seed): a vision tower of 224 px
+images in 32 px patches (49 patches + the class token), 12 layers of 768, 12 heads, MLP 3072, and
+a CLIP-base text tower (12 layers of 512, 8 heads, MLP 2048, 77 positions), both projected to
+512. transformers' CLIPModel is saved with a byte-level BPE tokenizer and the PIL CLIP image
+processor (shortest edge 224, centre crop 224), then loaded by sentence-transformers 6 (its
+Transformer module: CLIPModel.get_image_features) and saved again as its own folder
+(modules.json): both sides load that folder. The images are PNG-decoded, of varied sizes and
+modes (RGB, RGBA, L, P; 96 to 640 px sides), so resizing, cropping and RGB conversion are part of
+the work timed on both sides.
+
+Both sides run alternately (A B A B ...) in float32 on all cores; the ratio quoted is the median
+of the per-round ratios; the vectors are checked to agree (min cosine) so both figures are for the
+same work. Then tidepool's bfloat16 (cosine vs its float32) and int8 (quantization="int8"), or
+the refusal message where tidepool does not take them for CLIP.
+
+    python benchmarks/clip_images.py [--images 256] [--rounds 3] [--batch-size 32] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# tidepool sets OpenMP's wait policy when imported, before torch loads: the same for all sides.
+import tidepool  # noqa: F401
+
+# isort: split
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from corpus import make_corpus  # noqa: E402
+
+VIT_B32 = {
+    "vision": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        image_size=224,
+        patch_size=32,
+    ),
+    "text": dict(
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        max_position_embeddings=77,
+    ),
+    "projection_dim": 512,
+}
+QUICK = {  # --quick: a smoke run (heads of 32 and 64, as the CPU kernel builds)
+    "vision": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    ),
+    "text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+    ),
+    "projection_dim": 32,
+}
+SIZES = [(224, 224), (320, 240), (480, 640), (96, 128), (300, 500), (640, 360), (256, 256)]
+MODES = ["RGB", "RGB", "RGBA", "L", "RGB", "P", "RGB"]
+
+
+def make_images(count: int, seed: int = 0) -> list[Image.Image]:
+    """`count` PNG-decoded images, sizes and modes cycling through SIZES / MODES, fixed by seed."""
+    rng = np.random.RandomState(seed)
+    images = []
+    for i in range(count):
+        w, h = SIZES[i % len(SIZES)]
+        yy, xx = np.mgrid[0:h, 0:w]
+        pixels = rng.randint(0, 64, size=(h, w, 3)).astype(np.int64)
+        pixels[..., i % 3] += (xx * 3 + yy * 5 + 17 * i) % 192  # structure: resizing shows
+        image = Image.fromarray(pixels.astype(np.uint8), "RGB").convert(MODES[i % len(MODES)])
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        decoded = Image.open(io.BytesIO(buffer.getvalue()))
+        decoded.load()  # decoded here, not inside whichever side's round touches it first
+        images.append(decoded)
+    return images
+
+
+def save_tokenizer(folder: Path) -> int:
+    """A byte-level BPE with CLIP's <|startoftext|> ... <|endoftext|> template (trained on the
+    benchmark corpus: the text tower is loaded, not timed). Returns the vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|startoftext|>", "<|endoftext|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(make_corpus(200), trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{special[0]} $A {special[1]}", special_tokens=[(special[0], 0), (special[1], 1)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=special[0],
+        eos_token=special[1],
+        pad_token=special[1],
+        model_max_length=77,
+    )
+    fast.save_pretrained(str(folder))
+    return len(fast)
+
+
+def build_clip(root: Path, shape: dict, seed: int = 0) -> Path:
+    """transformers' CLIPModel of `shape` (random, seeded) → a sentence-transformers folder."""
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    raw = root / "transformers"
+    raw.mkdir()
+    vocab = save_tokenizer(raw)
+    size = shape["vision"]["image_size"]
+    CLIPImageProcessorPil(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    ).save_pretrained(str(raw))
+    config = transformers.CLIPConfig(
+        text_config=dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1, **shape["text"]),
+        vision_config=shape["vision"],
+        projection_dim=shape["projection_dim"],
+    )
+    torch.manual_seed(seed)
+    transformers.CLIPModel(config).eval().save_pretrained(str(raw))
+    folder = root / "st"
+    SentenceTransformer(str(raw), device="cpu").save(str(folder))
+    return folder
+
+
+def cpu_flags() -> str:
+    """The CPU's model and the flags that decide the kernel and GEMM paths (AVX-512, VNNI, AMX:
+    tidepool's one reader, kernels/cpu_features.py)."""
+    from tidepool.kernels.cpu_features import describe
+
+    return describe()
+
+
+def image_prompts(images: list[Image.Image]) -> list[dict]:
+    return [{"prompt": "", "multi_modal_data": {"image": im}} for im in images]
+
+
+def tidepool_embed(llm) -> Callable[[list[Image.Image]], torch.Tensor]:
+    def run(images: list[Image.Image]) -> torch.Tensor:
+        outs = llm.embed(image_prompts(images), use_tqdm=False)
+        return torch.tensor([o.outputs.embedding for o in outs])
+
+    return run
+
+
+def alternate(runs: dict[str, Callable[[], torch.Tensor]], rounds: int, count: int):
+    """Each run once per round, alternating: wall seconds per round, the last outputs. The
+    process's CPU seconds are printed beside the wall time (a busy machine shows as wall >> CPU
+    / threads)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    outs: dict[str, torch.Tensor] = {}
+    for r in range(rounds):
+        line = [f"round {r}"]
+        for name, run in runs.items():
+            start, cpu = time.perf_counter(), time.process_time()
+            outs[name] = run()
+            times[name].append(time.perf_counter() - start)
+            cpu = time.process_time() - cpu
+            line.append(
+                f"{name} {count / times[name][-1]:7.1f} images/s "
+                f"({times[name][-1]:.2f} s wall, {cpu:.2f} s CPU)"
+            )
+        print(" | ".join(line), flush=True)
+    return times, outs
+
+
+def variant(
+    label: str, folder: Path, images: list, rounds: int, reference: torch.Tensor, **kwargs
+) -> str:
+    """tidepool with `kwargs` (dtype / quantization): images/s (median) and cosine vs
+    `reference` (tidepool float32), or the refusal's message where it does not load or run."""
+    from tidepool import LLM
+
+    try:
+        llm = LLM(str(folder), device="cpu", **kwargs)
+        run = tidepool_embed(llm)
+        run(images[:8])  # warm-up
+        times, outs = alternate({label: lambda: run(images)}, rounds, len(images))
+    except (ValueError, NotImplementedError, TypeError) as e:
+        return f"refused: {type(e).__name__}: {e}"
+    cos = F.cosine_similarity(outs[label].float(), reference, dim=-1).min()
+    return f"{len(images) / statistics.median(times[label]):7.1f} images/s, min cosine vs float32 {float(cos):.6f}"
+
+
+def compare(folder: Path, images: list, rounds: int, batch_size: int) -> torch.Tensor:
+    """tidepool vs sentence-transformers, float32, alternating: prints images/s, the ratio and
+    the agreement; returns tidepool's vectors (the reference of the variants)."""
+    from sentence_transformers import SentenceTransformer
+
+    from tidepool import LLM
+
+    llm = LLM(str(folder), device="cpu", dtype="float32")
+    st = SentenceTransformer(str(folder), device="cpu")
+    ours = tidepool_embed(llm)
+
+    def theirs() -> torch.Tensor:
+        return st.encode(images, batch_size=batch_size, convert_to_tensor=True).float()
+
+    ours(images[:8])  # warm-up both (first calls allocate and pick kernels)
+    st.encode(images[:8], batch_size=batch_size)
+    runs = {"tidepool": lambda: ours(images), "sentence-transformers": theirs}
+    times, outs = alternate(runs, rounds, len(images))
+    pairs = zip(times["tidepool"], times["sentence-transformers"], strict=True)
+    ratios = [s / t for t, s in pairs]
+    cos = F.cosine_similarity(outs["tidepool"], outs["sentence-transformers"], dim=-1).min()
+    print()
+    for name, walls in times.items():
+        print(f"{name:<22} {len(images) / statistics.median(walls):7.1f} images/s (median)")
+    print(
+        f"ratio (median of rounds): {statistics.median(ratios):.2f}x; "
+        f"agreement: min cosine {float(cos):.6f}"
+    )
+    preprocessing(folder, images)
+    return outs["tidepool"]
+
+
+def preprocessing(folder: Path, images: list) -> None:
+    """The share of the work both sides do the same way: the PIL image processor alone."""
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    start = time.perf_counter()
+    processor(images=images, return_tensors="pt")
+    elapsed = time.perf_counter() - start
+    print(
+        f"of which preprocessing (the PIL {type(processor).__name__} alone, once): "
+        f"{1000 * elapsed / len(images):.1f} ms/image, {len(images) / elapsed:.0f} images/s"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers'")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 16 images, 2 rounds")
+    parser.add_argument("--no-variants", action="store_true", help="skip bfloat16 and int8")
+    args = parser.parse_args()
+    if args.quick:
+        args.images, args.rounds = min(args.images, 16), min(args.rounds, 2)
+    shape = QUICK if args.quick else VIT_B32
+    print("reproduce: python " + " ".join(shlex.quote(a) for a in sys.argv))
+    print(
+        f"threads={torch.get_num_threads()}; CPU: {cpu_flags()}; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    images = make_images(args.images)
+    vision = shape["vision"]
+    print(
+        f"{len(images)} images ({len(SIZES)} sizes, modes {'/'.join(sorted(set(MODES)))}) → "
+        f"{vision['image_size']} px, patch {vision['patch_size']}, {vision['num_hidden_layers']} "
+        f"layers of {vision['hidden_size']}; float32; sentence-transformers batch {args.batch_size}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_clip(Path(tmp), shape)
+        reference = compare(folder, images, args.rounds, args.batch_size)
+        if args.no_variants:
+            return
+        for label, kwargs in (
+            ("tidepool bfloat16", {"dtype": "bfloat16"}),
+            ("tidepool int8", {"dtype": "float32", "quantization": "int8"}),
+        ):
+            print(f"{label:<22} {variant(label, folder, images, args.rounds, reference, **kwargs)}")
+
+
+if __name__ == "__main__":
+    main()
