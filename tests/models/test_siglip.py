@@ -166,6 +166,18 @@ def test_siglip_max_model_len_below_the_fixed_length_is_refused(siglip):
         LLM(str(folder), device="cpu", dtype="float32", max_model_len=8)
 
 
+def test_siglip_score_is_the_cosine_of_text_and_image(siglip):
+    """LLM.score(text, images): the cosine of the embeddings (as CLIP's), not SigLIP's sigmoid
+    of logit_scale * cosine + logit_bias (those weights are skipped)."""
+    folder, _ = siglip
+    llm = LLM(str(folder), device="cpu", dtype="float32")
+    images = make_images(3, seed=4)
+    pages = list(map(_image_prompt, images))
+    scores = torch.tensor([o.outputs.score for o in llm.score(TEXTS[0], pages, use_tqdm=False)])
+    vectors = _embed(llm, [TEXTS[0], *pages], PoolingParams())
+    torch.testing.assert_close(scores, vectors[1:] @ vectors[0], atol=1e-6, rtol=0)
+
+
 def test_siglip_batch_invariance(siglip):
     """An image or a text alone equals itself in a mixed batch; the default normalizes."""
     folder, _ = siglip
