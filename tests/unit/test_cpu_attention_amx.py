@@ -207,7 +207,7 @@ def test_bad_matmul_code_is_refused():
     with pytest.raises(RuntimeError, match="matmul: 0"):
         torch.ops.tidepool_cpu.encoder_attention(
             q, k, v, torch.tensor([0]), torch.tensor([4]), torch.tensor([0]), False, 0.2,
-            None, 0, None, 3, out,
+            None, 0, None, 7, out,
         )  # fmt: skip
 
 
