@@ -246,7 +246,30 @@ def compare(folder: Path, images: list, rounds: int, batch_size: int) -> torch.T
         f"agreement: min cosine {float(cos):.6f}"
     )
     preprocessing(folder, images)
+    rate = {name: len(images) / statistics.median(walls) for name, walls in times.items()}
+    print_roofline(folder, rate)
     return outs["tidepool"]
+
+
+def print_roofline(folder: Path, rate: dict[str, float]) -> None:
+    """The vision tower's float32 ceiling here: images/s if every FLOP (the patch GEMM, the
+    layers' linears and attention) ran at the GEMM speed of its shapes (benchmarks/roofline.py),
+    preprocessing free; each side's share of it."""
+    import transformers
+    from roofline import EncoderShape, gemm_gflops
+
+    vision = transformers.AutoConfig.from_pretrained(str(folder)).vision_config
+    shape = EncoderShape.from_hf_config(vision)
+    patches = (vision.image_size // vision.patch_size) ** 2
+    patch_flops = 2 * patches * vision.num_channels * vision.patch_size**2 * vision.hidden_size
+    per_image = (patches + 1) * shape.flops_per_token(patches + 1) + patch_flops
+    gflops = gemm_gflops(shape, torch.float32)
+    ceiling = gflops * 1e9 / per_image
+    shares = ", ".join(f"{name} at {100 * r / ceiling:.0f}%" for name, r in rate.items())
+    print(
+        f"float32 roofline: {gflops:.0f} GFLOP/s at the tower's GEMM shapes, "
+        f"{per_image / 1e9:.2f} GFLOP per image = {ceiling:.1f} images/s; {shares}"
+    )
 
 
 def preprocessing(folder: Path, images: list) -> None:

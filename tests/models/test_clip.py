@@ -17,6 +17,7 @@ from multimodal_models import CLIP_TEXT, PROJECTION_DIM, build_clip, make_images
 from tolerances import assert_close, assert_cosine_close
 
 from tidepool import LLM, PoolingParams
+from tidepool.models.layers.linear import Linear
 
 RAW = PoolingParams(normalize=False)
 TEXTS = ["a photo of a cat", "hi", "The quick brown fox jumps over the lazy dog.", "a"]
@@ -247,3 +248,34 @@ def test_clip_older_sentence_transformers_layout(clip, tmp_path, fake_hub, monke
     cached = LLM("org/clip-legacy", device="cpu", dtype="float32")
     offline = torch.tensor([o.outputs.embedding for o in cached.embed(prompts, use_tqdm=False)])
     torch.testing.assert_close(offline, got, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(
+    not Linear(4, 4).fuses("swish"), reason="no oneDNN packed linear here: quick_gelu runs unfused"
+)
+def test_quick_gelu_runs_as_the_swish_post_op():
+    """CLIP's quick_gelu, no oneDNN post-op, becomes its swish with the 1.702 moved into fc1's
+    and fc2's weights (models/clip.py, TowerMLP): equal to transformers' fc2(quick_gelu(fc1 x)),
+    and folded once however often the loader's hook runs."""
+    from transformers.activations import QuickGELUActivation
+
+    from tidepool.models.clip import TowerMLP
+
+    torch.manual_seed(0)
+    mlp = TowerMLP(64, 256, "quick_gelu")
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    fc1, fc2 = (torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    with torch.no_grad():
+        for ref, ours in ((fc1, mlp.fc1), (fc2, mlp.fc2)):
+            ref.weight.copy_(ours.weight)
+            ref.bias.copy_(ours.bias)
+    for _ in range(2):  # the second call must not scale again
+        mlp.process_weights_after_loading()
+    for linear in (mlp.fc1, mlp.fc2):
+        linear.process_weights_after_loading()
+    assert mlp.fc1.activation == "swish"
+    x, residual = torch.randn(33, 64), torch.randn(33, 64)
+    expected = fc2(QuickGELUActivation()(fc1(x))) + residual
+    # depth 2 (two GEMMs), the longest reduction fc2's 256, plus one rounding of each weight
+    assert_close(mlp(x, residual), expected, depth=3, reduction=256)

@@ -16,7 +16,7 @@ are the reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -31,7 +31,6 @@ from tidepool.attention.backend import (
 )
 from tidepool.attention.common import encoder_step
 from tidepool.attention.layer import Attention, AttentionModel
-from tidepool.models.layers.activation import get_activation
 from tidepool.models.layers.linear import Linear
 from tidepool.models.weights import equal_thirds, load_fused_weights, qkv_markers
 from tidepool.multimodal.features import MultiModalFeature
@@ -49,8 +48,14 @@ class TowerAttention(nn.Module):
         self.attn = Attention(BUCKETED_SDPA)
 
     def forward(
-        self, x: torch.Tensor, meta: EncoderStepMetadata, residual: torch.Tensor
+        self,
+        x: torch.Tensor,
+        meta: EncoderStepMetadata,
+        residual: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`keep`: the rows whose outputs are read (the class rows of the last layer); the
+        others are keys and values only, their projection is skipped."""
         qkv = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim)
         backend = self.attn.backend
         if self.causal:  # the text tower: a causal band (BANDED, which CLIPModel's spec needs)
@@ -58,19 +63,44 @@ class TowerAttention(nn.Module):
             context = backend.attend_banded(q, k, v, meta, self.scale, None, causal=True)
         else:
             context = backend.attend(qkv, meta, self.scale)
+        if keep is not None:
+            context, residual = context.index_select(0, keep), residual.index_select(0, keep)
         return self.out_proj(context, residual=residual)
 
 
+QUICK_GELU_ALPHA = 1.702
+"""transformers' QuickGELUActivation: x * sigmoid(1.702 x)."""
+
+
 class TowerMLP(nn.Module):
+    """fc2(act(fc1(x))) + residual, the activation inside fc1's GEMM (a oneDNN post-op)."""
+
     def __init__(self, hidden: int, intermediate: int, activation: str) -> None:
         super().__init__()
-        # The activation runs after the oneDNN GEMM (quick_gelu is no oneDNN post-op).
-        self.fc1 = Linear(hidden, intermediate)
+        self.fc1 = Linear(hidden, intermediate, activation=activation)
         self.fc2 = Linear(intermediate, hidden)
-        self.act: Callable[[torch.Tensor], torch.Tensor] = get_activation(activation)
+        self._folded = False
+
+    def process_weights_after_loading(self) -> None:
+        """quick_gelu, which is no oneDNN post-op, as its swish: quick_gelu(y) = swish(a y) / a
+        with a = 1.702, so fc1's weight and bias take the a and fc2's weight the 1 / a (exact
+        but for one rounding of each weight). Runs once, before the linears pack
+        (`model.modules()` visits a module before its children); elsewhere (no oneDNN path)
+        fc1 applies quick_gelu after its GEMM."""
+        fc1, fc2 = self.fc1, self.fc2
+        if self._folded or fc1.activation != "quick_gelu" or not fc1.fuses("swish"):
+            return
+        a = QUICK_GELU_ALPHA
+        with torch.no_grad():
+            fc1.weight.copy_(fc1.weight.float() * a)
+            if fc1.bias is not None:
+                fc1.bias.copy_(fc1.bias.float() * a)
+            fc2.weight.copy_(fc2.weight.float() / a)
+        fc1.set_activation("swish")
+        self._folded = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)), residual=residual)
+        return self.fc2(self.fc1(x), residual=residual)
 
 
 class TowerLayer(nn.Module):
@@ -84,8 +114,10 @@ class TowerLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(hidden, eps=eps)
         self.mlp = TowerMLP(hidden, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, meta: EncoderStepMetadata) -> torch.Tensor:
-        x = self.self_attn.forward(self.layer_norm1(x), meta, x)
+    def forward(
+        self, x: torch.Tensor, meta: EncoderStepMetadata, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = self.self_attn.forward(self.layer_norm1(x), meta, x, keep)
         return self.mlp.forward(self.layer_norm2(x), x)
 
 
@@ -96,10 +128,15 @@ class TowerEncoder(nn.Module):
             TowerLayer(config, causal) for _ in range(config.num_hidden_layers)
         )
 
-    def forward(self, x: torch.Tensor, meta: EncoderStepMetadata) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer.forward(x, meta)
-        return x
+    def forward(
+        self, x: torch.Tensor, meta: EncoderStepMetadata, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`keep`: only these rows are read after the last layer (CLIP's class rows): its
+        output projection and MLP run on them alone, and only they are returned."""
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, meta, keep if i == last else None)
+        return x if keep is None or self.layers else x.index_select(0, keep)
 
 
 def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
@@ -184,8 +221,8 @@ class ClipVisionTower(nn.Module):
         seq = self.num_patches + 1
         meta = vision_metadata(backend, n, seq, x, self.config.num_attention_heads)
         rows = meta.rows
-        x = self.encoder(self.pre_layrnorm(rows.gather(x)), meta)
-        return self.post_layernorm(x.index_select(0, rows.first_rows))
+        x = self.encoder(self.pre_layrnorm(rows.gather(x)), meta, keep=rows.first_rows)
+        return self.post_layernorm(x)
 
 
 def vision_metadata(

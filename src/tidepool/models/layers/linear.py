@@ -61,17 +61,30 @@ class Linear(nn.Module):
         self._act = get_activation(activation) if activation else None
         self._packed: torch.Tensor | None = None
 
-    def process_weights_after_loading(self) -> None:
-        """Pack the weight for oneDNN where that path exists (CPU, float32 / bfloat16)."""
-        self._packed = None
+    def fuses(self, activation: str | None) -> bool:
+        """The packed oneDNN path runs here and `activation` (a Hugging Face name, or None) is
+        one of its GEMM post-ops."""
         w = self.weight
-        if (
+        return (
             w.device.type == "cpu"
             and w.dtype in (torch.float32, torch.bfloat16)
             and _onednn_available(w.dtype)
-            and (self.activation is None or self.activation in _ONEDNN_POST_OPS)
-        ):
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
+            and (activation is None or activation in _ONEDNN_POST_OPS)
+        )
+
+    def set_activation(self, activation: str | None) -> None:
+        """Change the fused activation before packing (a model's weight transform that made
+        another activation into this one: models/clip.py's quick_gelu)."""
+        self.activation = activation
+        self._act = get_activation(activation) if activation else None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the weight for oneDNN where that path exists (CPU, float32 / bfloat16)."""
+        self._packed = None
+        if self.fuses(self.activation):
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(
+                self.weight.detach(), _PACK_BATCH_HINT
+            )
 
     def forward(
         self,
