@@ -255,11 +255,11 @@ def test_clip_older_sentence_transformers_layout(clip, tmp_path, fake_hub, monke
 )
 def test_quick_gelu_runs_as_the_swish_post_op():
     """CLIP's quick_gelu, no oneDNN post-op, becomes its swish with the 1.702 moved into fc1's
-    and fc2's weights (models/clip.py, TowerMLP): equal to transformers' fc2(quick_gelu(fc1 x)),
+    and fc2's weights (models/towers.py, TowerMLP): equal to transformers' fc2(quick_gelu(fc1 x)),
     and folded once however often the loader's hook runs."""
     from transformers.activations import QuickGELUActivation
 
-    from tidepool.models.clip import TowerMLP
+    from tidepool.models.towers import TowerMLP
 
     torch.manual_seed(0)
     mlp = TowerMLP(64, 256, "quick_gelu")

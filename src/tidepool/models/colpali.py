@@ -43,7 +43,8 @@ from tidepool.attention.layer import AttentionModel
 from tidepool.models.layers.linear import Linear
 from tidepool.models.llama import _STACKED, _shard_sizes
 from tidepool.models.paligemma import PaliGemmaMultiModalProjector, PaliGemmaTextEncoder
-from tidepool.models.siglip_vision import SIGLIP_QKV, SiglipVisionTower
+from tidepool.models.siglip_vision import SiglipVisionTower
+from tidepool.models.towers import TOWER_QKV
 from tidepool.models.weights import FusedMarkers, equal_thirds, load_fused_weights
 from tidepool.multimodal.features import MultiModalFeature
 
@@ -175,7 +176,7 @@ class ColPaliForRetrieval(AttentionModel, nn.Module):
                 continue
             if name.startswith("vision_tower."):
                 vision.append((name.removeprefix("vision_tower."), tensor))
-                if _fused(name, SIGLIP_QKV) not in params:
+                if _fused(name, TOWER_QKV) not in params:
                     unknown.append(ckpt_name)
             elif name.startswith("language_model."):
                 text.append((name.removeprefix("language_model."), tensor))
@@ -190,7 +191,7 @@ class ColPaliForRetrieval(AttentionModel, nn.Module):
                 f"ColPaliForRetrieval does not use {len(unknown)} checkpoint tensors: "
                 f"{sorted(unknown)[:8]} (a layout or option tidepool does not implement)"
             )
-        tower = load_fused_weights(self.vision_tower, vision, lambda n: n, SIGLIP_QKV, equal_thirds)
+        tower = load_fused_weights(self.vision_tower, vision, lambda n: n, TOWER_QKV, equal_thirds)
         loaded = {"vision_tower." + n for n in tower}
         lm = load_fused_weights(self.language_model, text, lambda n: n, _STACKED, _shard_sizes)
         loaded |= {"language_model." + n for n in lm}

@@ -18,51 +18,33 @@ reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from tidepool.attention.backend import (
-    BUCKETED_SDPA,
-    AttentionSpec,
-    EncoderAttentionBackend,
-    EncoderStepMetadata,
+from tidepool.attention.backend import BUCKETED_SDPA, AttentionSpec, EncoderAttentionBackend
+from tidepool.models.siglip_vision import SiglipVisionTower
+from tidepool.models.towers import (
+    DualTowerBase,
+    ImagesOnly,
+    TextTower,
+    check_one_space,
+    head_dim,
+    stack_pixels,
 )
-from tidepool.attention.layer import AttentionModel
-from tidepool.models.clip import TowerEncoder, stack_pixels
-from tidepool.models.siglip_vision import SIGLIP_QKV, SiglipVisionTower
-from tidepool.models.weights import equal_thirds, load_fused_weights
 from tidepool.multimodal.features import MultiModalFeature
 
 
-class SiglipTextTower(nn.Module):
+class SiglipTextTower(TextTower):
     """transformers' SiglipTextTransformer: names as its (embeddings., encoder., final_layer_norm.,
-    head.), the layers' q / k / v fused into `qkv`."""
+    head.), the layers' q / k / v fused into `qkv`; bidirectional."""
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        hidden = config.hidden_size
-        self.embeddings = nn.Module()
-        self.embeddings.token_embedding = nn.Embedding(config.vocab_size, hidden)
-        self.embeddings.position_embedding = nn.Embedding(config.max_position_embeddings, hidden)
-        self.encoder = TowerEncoder(config, causal=False)
-        self.final_layer_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
-        projection = getattr(config, "projection_size", None) or hidden
-        self.head = nn.Linear(hidden, projection)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderStepMetadata
-    ) -> torch.Tensor:
-        """[num_tokens] → [num_tokens, hidden] after final_layer_norm."""
-        rows = meta.rows  # the backend builder's rows: packed tokens or padded buckets
-        emb = self.embeddings
-        x = emb.token_embedding(rows.gather(input_ids)) + emb.position_embedding(
-            rows.gather(positions)
-        )
-        return rows.to_tokens(self.final_layer_norm(self.encoder(x, meta)))
+        super().__init__(config, causal=False)
+        projection = getattr(config, "projection_size", None) or config.hidden_size
+        self.head = nn.Linear(config.hidden_size, projection)
 
     def pool(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Each sequence's last row (a pad where the text is shorter than the fixed length:
@@ -70,27 +52,16 @@ class SiglipTextTower(nn.Module):
         return self.head(hidden.index_select(0, cu_seqlens[1:] - 1))
 
 
-def _head_dim(config: Any) -> int:
-    return config.hidden_size // config.num_attention_heads
+class SiglipBase(DualTowerBase):
+    """What SigLIP's models share beyond DualTowerBase: the text side's pooling (the last
+    padded row through the text head) and the image side (`vision_model` takes the pixels)."""
 
-
-class SiglipBase(AttentionModel, nn.Module):
-    """What SigLIP's models share: the dual-tower members, weight loading (q / k / v fused,
-    logit_scale / logit_bias skipped) and the image side (`vision_model` takes the pixels)."""
-
-    is_causal: ClassVar[bool] = False
-    default_pooling_type = "LAST"
-    supports_first_token_only = False
-    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
     own_pooling_name = "LAST (padded)"
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_fused_weights(self, weights, self.map_weight_name, SIGLIP_QKV, equal_thirds)
-
-    def map_weight_name(self, name: str) -> str | None:
-        if name.endswith("position_ids") or name.startswith(("logit_scale", "logit_bias")):
-            return None
-        return name
+    def pool_embeddings(
+        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return self.text_model.pool(hidden, cu_seqlens)
 
     def _pool_images(self, features: Sequence[MultiModalFeature]) -> torch.Tensor:
         vision: SiglipVisionTower = self.vision_model
@@ -106,12 +77,6 @@ class SiglipModel(SiglipBase):
         super().__init__()
         self.config = config
         text, vision = config.text_config, config.vision_config
-        if _head_dim(text) != _head_dim(vision):
-            raise ValueError(
-                f"SiglipModel: the text tower's attention heads ({_head_dim(text)} wide) differ "
-                f"from the vision tower's ({_head_dim(vision)}); tidepool runs both towers on "
-                "one attention backend, chosen for one head width"
-            )
         if not getattr(vision, "vision_use_head", True):
             raise ValueError(
                 "SiglipModel: vision_config.vision_use_head is false: without the pooling "
@@ -120,11 +85,7 @@ class SiglipModel(SiglipBase):
         self.text_model = SiglipTextTower(text)
         self.vision_model = SiglipVisionTower(vision)
         width = self.text_model.head.out_features
-        if width != vision.hidden_size:
-            raise ValueError(
-                f"SiglipModel: the text head's width {width} (text_config.projection_size) is "
-                f"not the image embedding's {vision.hidden_size}: they share no space"
-            )
+        check_one_space("SiglipModel", text, vision, width, vision.hidden_size)
         self.embedding_size = self.image_embedding_size = width
         self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
 
@@ -132,30 +93,13 @@ class SiglipModel(SiglipBase):
         """One backend for both bidirectional towers (equal head widths: __init__)."""
         text = self.config.text_config
         positions = max(self.vision_model.num_patches, text.max_position_embeddings)
-        return AttentionSpec(device, dtype, _head_dim(text), positions)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: EncoderStepMetadata,
-        token_type_ids: torch.Tensor | None = None,
-        first_token_only: bool = False,
-    ) -> torch.Tensor:
-        """Texts (padded to the fixed length by the prompt processor): [num_tokens] →
-        [num_tokens, text hidden] after final_layer_norm."""
-        return self.text_model(input_ids, positions, attn_metadata)
-
-    def pool_embeddings(
-        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor
-    ) -> torch.Tensor:
-        return self.text_model.pool(hidden, cu_seqlens)
+        return AttentionSpec(device, dtype, head_dim(text), positions)
 
     def pool_multimodal(self, features: Sequence[MultiModalFeature]) -> torch.Tensor:
         return self._pool_images(features)
 
 
-class SiglipVisionModel(SiglipBase):
+class SiglipVisionModel(ImagesOnly, SiglipBase):
     """The vision tower alone (its pooler_output): images only, texts refused at input."""
 
     def __init__(self, config: Any) -> None:
@@ -179,15 +123,7 @@ class SiglipVisionModel(SiglipBase):
         return f"vision_model.{mapped}"
 
     def attention_spec(self, device: torch.device, dtype: torch.dtype) -> AttentionSpec:
-        return AttentionSpec(device, dtype, _head_dim(self.config), self.vision_model.num_patches)
-
-    def forward(
-        self, input_ids, positions, attn_metadata, token_type_ids=None, first_token_only=False
-    ):
-        raise ValueError("SiglipVisionModel embeds images only")
-
-    def pool_embeddings(self, hidden, cu_seqlens, input_ids):
-        raise ValueError("SiglipVisionModel embeds images only")
+        return AttentionSpec(device, dtype, head_dim(self.config), self.vision_model.num_patches)
 
     def pool_multimodal(self, features: Sequence[MultiModalFeature]) -> torch.Tensor:
         return self._pool_images(features)

@@ -32,9 +32,9 @@ from tidepool.attention.backend import (
 )
 from tidepool.attention.common import encoder_step
 from tidepool.attention.layer import AttentionModel
-from tidepool.models.clip import TowerEncoder
 from tidepool.models.siglip import SiglipBase, SiglipTextTower
 from tidepool.models.siglip_vision import AttentionPoolingHead
+from tidepool.models.towers import TowerEncoder, check_one_space, head_dim
 from tidepool.multimodal.features import MultiModalFeature
 
 
@@ -110,21 +110,10 @@ class Siglip2Model(SiglipBase):
         super().__init__()
         self.config = config
         text, vision = config.text_config, config.vision_config
-        text_heads = text.hidden_size // text.num_attention_heads
-        vision_heads = vision.hidden_size // vision.num_attention_heads
-        if text_heads != vision_heads:
-            raise ValueError(
-                f"Siglip2Model: the text tower's attention heads ({text_heads} wide) differ from "
-                f"the vision tower's ({vision_heads}); tidepool runs both on one backend"
-            )
         self.text_model = SiglipTextTower(text)
         self.vision_model = NaFlexVisionTower(vision)
         width = self.text_model.head.out_features
-        if width != vision.hidden_size:
-            raise ValueError(
-                f"Siglip2Model: the text head's width {width} is not the image embedding's "
-                f"{vision.hidden_size}: they share no space"
-            )
+        check_one_space("Siglip2Model", text, vision, width, vision.hidden_size)
         self.embedding_size = self.image_embedding_size = width
         self.attention_backend: EncoderAttentionBackend = BUCKETED_SDPA
 
@@ -133,23 +122,7 @@ class Siglip2Model(SiglipBase):
         stands for an image's length (the backends take any length)."""
         text = self.config.text_config
         positions = max(self.config.vision_config.num_patches, text.max_position_embeddings)
-        head_dim = text.hidden_size // text.num_attention_heads
-        return AttentionSpec(device, dtype, head_dim, positions)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: EncoderStepMetadata,
-        token_type_ids: torch.Tensor | None = None,
-        first_token_only: bool = False,
-    ) -> torch.Tensor:
-        return self.text_model(input_ids, positions, attn_metadata)
-
-    def pool_embeddings(
-        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor
-    ) -> torch.Tensor:
-        return self.text_model.pool(hidden, cu_seqlens)
+        return AttentionSpec(device, dtype, head_dim(text), positions)
 
     def pool_multimodal(self, features: Sequence[MultiModalFeature]) -> torch.Tensor:
         vision = self.vision_model

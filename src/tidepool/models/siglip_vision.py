@@ -12,7 +12,7 @@
 `encode` is what PaliGemma / ColPali read (the patches after post_layernorm, no head); `pool`
 is SiglipModel.get_image_features' pooler_output. Module names follow transformers'
 (embeddings., encoder.layers., post_layernorm., head.), the layers' q / k / v fused into one
-`qkv` (models/clip.py's TowerLayer: the same pre-LN layer).
+`qkv` (models/towers.py's TowerLayer: the same pre-LN layer as CLIP's).
 """
 
 from __future__ import annotations
@@ -25,12 +25,7 @@ from torch import nn
 
 from tidepool.attention.backend import BUCKETED_SDPA, EncoderAttentionBackend
 from tidepool.attention.layer import AttentionModel
-from tidepool.models.clip import TowerEncoder, TowerMLP, patchify, vision_metadata
-from tidepool.models.weights import qkv_markers
-
-SIGLIP_QKV = qkv_markers(".self_attn.", "q_proj", "k_proj", "v_proj")
-"""The layers' q / k / v checkpoint names → their shard of the fused `qkv` (load_fused_weights
-with equal_thirds)."""
+from tidepool.models.towers import TowerEncoder, TowerMLP, patchify, vision_metadata
 
 
 def check_siglip_vision_config(config: Any) -> None:

@@ -74,7 +74,7 @@ class Linear(nn.Module):
 
     def set_activation(self, activation: str | None) -> None:
         """Change the fused activation before packing (a model's weight transform that made
-        another activation into this one: models/clip.py's quick_gelu)."""
+        another activation into this one: models/towers.py's quick_gelu)."""
         self.activation = activation
         self._act = get_activation(activation) if activation else None
 
