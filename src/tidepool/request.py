@@ -30,6 +30,10 @@ class Request:
     """Encoders: only the prompt's first this many tokens are attended to (are keys), while
     every token attends (a ColBERT query's [MASK] expansion when the model does not attend to
     it); None: all of them."""
+    first_position: int = 0
+    """Encoders: the first prompt token's position (the others follow it): a text whose leading
+    pads are masked (no token attends to them) runs without them, at the positions they pushed
+    it to (multimodal/dual_tower.py, SigLIP 2's left padding)."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

@@ -128,8 +128,10 @@ def test_siglip2_batch_invariance(siglip2):
 
 def test_siglip2_left_padding(tmp_path):
     """Siglip2Tokenizer pads on the left. Without an attention_mask the pads lead and are
-    attended: equal to transformers. With the mask (keys after leading pads) a text is
-    refused alone, naming it; images still run."""
+    attended; with it they are keys of no row, so tidepool leaves them out and starts the text
+    at the position they pushed it to (Request.first_position): both equal to transformers on
+    the processor's padded, masked ids, texts of several lengths packed in one call and alone,
+    images beside them."""
     folder = tmp_path / "left"
     model = build_siglip2(folder, seed=3, padding_side="left", mask_pads=False)
     llm = LLM(str(folder), device="cpu", dtype="float32")
@@ -138,9 +140,12 @@ def test_siglip2_left_padding(tmp_path):
     masked = tmp_path / "left_masked"
     model = build_siglip2(masked, seed=3, padding_side="left", mask_pads=True)
     llm = LLM(str(masked), device="cpu", dtype="float32")
-    with pytest.raises(ValueError, match="pads on the left and masks the pads"):
-        llm.embed(["hi"], use_tqdm=False)
+    expected_texts = _texts(masked, model, TEXTS)
+    assert_close(_embed(llm, TEXTS), expected_texts, depth=DEPTH, reduction=REDUCTION)
+    alone = torch.cat([_embed(llm, [t]) for t in TEXTS])
+    assert_close(alone, expected_texts, depth=DEPTH, reduction=REDUCTION)
     images = make_images(2, seed=1)
     expected, _ = _images(masked, model, images)
-    got = _embed(llm, list(map(_image_prompt, images)))
-    assert_close(got, expected, depth=DEPTH, reduction=REDUCTION)
+    got = _embed(llm, list(map(_image_prompt, images)) + TEXTS)
+    assert_close(got[:2], expected, depth=DEPTH, reduction=REDUCTION)
+    assert_close(got[2:], expected_texts, depth=DEPTH, reduction=REDUCTION)

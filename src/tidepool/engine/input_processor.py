@@ -416,12 +416,14 @@ class InputProcessor:
     ) -> Request | RequestError:
         if check_len and (error := self._check_len(len(ids))):
             return RequestError(index, error)
+        first_position = 0
         if self._mm is not None and not mm_features:
             try:
                 shaped = self._mm.shape_text(ids)
             except ValueError as e:
                 return RequestError(index, str(e))
             ids = shaped.token_ids
+            first_position = shaped.first_position
             if shaped.num_attended_tokens is not None:
                 num_attended_tokens = shaped.num_attended_tokens
         if token_types is not None and not any(token_types):
@@ -432,6 +434,7 @@ class InputProcessor:
             pooling_params=params,
             token_type_ids=None if token_types is None else list(token_types),
             num_attended_tokens=num_attended_tokens,
+            first_position=first_position,
             mm_features=mm_features,
         )
 

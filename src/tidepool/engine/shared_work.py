@@ -138,6 +138,7 @@ def work_key(request: Request) -> WorkKey:
         tuple(request.prompt_token_ids),
         token_type_ids,
         request.num_attended_tokens,
+        request.first_position,
         params_key(request.pooling_params),
     )
 

@@ -79,11 +79,9 @@ class FixedLengthText:
         pads = [self.pad_id] * (self.length - len(token_ids))
         if self.padding_side == "left":
             if self.masks_pads and pads:
-                raise ValueError(
-                    f"{self.name}'s tokenizer pads on the left and masks the pads (its "
-                    "attention_mask): keys after leading pads are not implemented in tidepool; "
-                    'a tokenizer_config.json with padding_side "right" runs'
-                )
+                # No token attends to a masked pad, and the pooled row (the last) is the text's
+                # own: the pads are left out, the text keeps the positions they pushed it to.
+                return ShapedText(token_ids, first_position=len(pads))
             return ShapedText(pads + token_ids)
         attended = len(token_ids) if self.masks_pads and pads else None
         return ShapedText(token_ids + pads, attended)

@@ -49,6 +49,9 @@ class ShapedText:
     num_attended_tokens: int | None = None
     """Keys: the first this many tokens (the others, e.g. SigLIP's pads where its tokenizer
     masks them, are queries only: Request.num_attended_tokens); None: every token."""
+    first_position: int = 0
+    """The first token's position (Request.first_position): SigLIP 2's left-padded texts,
+    whose masked leading pads are left out, keep the positions the pads pushed them to."""
 
 
 class ImagePromptProcessor(ABC):

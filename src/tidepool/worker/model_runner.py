@@ -260,7 +260,12 @@ class ModelRunner:
             list(itertools.chain.from_iterable(r.prompt_token_ids for r in requests)),
             dtype=torch.int64,
         )
-        positions = torch.cat([self._arange[:n] for n in seq_lens])
+        positions = torch.cat(
+            [
+                self._arange[r.first_position : r.first_position + r.num_prompt_tokens]
+                for r in requests
+            ]
+        )
         token_type_ids = None
         if any(r.token_type_ids is not None for r in requests):
             token_type_ids = torch.tensor(
