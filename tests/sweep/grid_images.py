@@ -10,6 +10,7 @@ fixed 16 and SigLIP 2's 64 padded lengths), and the builder's options.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from sweep.grid import Case, Model
@@ -42,12 +43,45 @@ def _both(model: Model, output: str, ci: bool = False, **kw: Any) -> list[Case]:
     ]
 
 
+MM = "multimodal_models"
+
+
+def _variants(base: Model, output: str, variants: list[tuple[str, dict, int, bool]]) -> list[Case]:
+    """Options of `base` (key suffix, builder patch, longest reduction, kernel case or not)."""
+    cases: list[Case] = []
+    for suffix, patch, reduction, kernel in variants:
+        config = {**base.config, "patch": patch, "reduction": reduction}
+        model = replace(base, key=f"{base.key}/{suffix}", config=config)
+        cases += _both(model, output) if kernel else [Case(model, output, "native", backend="sdpa")]
+    return cases
+
+
 def clip_family() -> list[Case]:
     clip = _image("clip", "CLIPModel", "clip", 4, PATCH_192, text_limit=77)
     vision = _image("clip-vision", "CLIPVisionModelWithProjection", "clip_vision", 4, PATCH_192)
     # Two prompts a step: images and texts split over steps, each step's images one batch.
     steps = Case(clip, "image_embed", "native", backend="sdpa", llm_kwargs={"max_num_seqs": 2})
-    return [*_both(clip, "image_embed", ci=True), steps, *_both(vision, "image_embed")]
+    both_towers = (f"{MM}.CLIP_TEXT", f"{MM}.CLIP_VISION")
+    variants = [
+        ("act=gelu", {t: {"hidden_act": "gelu"} for t in both_towers}, PATCH_192, False),
+        ("eps=1e-3", {t: {"layer_norm_eps": 1e-3} for t in both_towers}, PATCH_192, False),
+        # 48 px images of 16 px patches: 9 patches, a 768-term patch GEMM.
+        (
+            "s48-p16",
+            {f"{MM}.CLIP_VISION": {"image_size": 48, "patch_size": 16}, f"{MM}.IMAGE_SIZE": 48},
+            3 * 16 * 16,
+            True,
+        ),
+        # One vision head of 64 (the kernel's other width); four of 16 (SDPA only).
+        ("vheads1", {f"{MM}.CLIP_VISION": {"num_attention_heads": 1}}, PATCH_192, True),
+        ("vheads4", {f"{MM}.CLIP_VISION": {"num_attention_heads": 4}}, PATCH_192, False),
+    ]
+    return [
+        *_both(clip, "image_embed", ci=True),
+        steps,
+        *_variants(clip, "image_embed", variants),
+        *_both(vision, "image_embed"),
+    ]
 
 
 def siglip_family() -> list[Case]:
@@ -63,8 +97,14 @@ def siglip_family() -> list[Case]:
         options={"mask_pads": False},
     )
     vision = _image("siglip-vision", "SiglipVisionModel", "siglip_vision", 4, PATCH_192)
+    towers = (f"{MM}.SIGLIP_TEXT", f"{MM}.CLIP_VISION")
+    variants = [
+        ("act=gelu", {t: {"hidden_act": "gelu"} for t in towers}, PATCH_192, False),
+        ("eps=1e-3", {t: {"layer_norm_eps": 1e-3} for t in towers}, PATCH_192, False),
+    ]
     return [
         *_both(siglip, "image_embed", ci=True),
+        *_variants(siglip, "image_embed", variants),
         Case(nomask, "image_embed", "native", backend="sdpa"),
         *_both(vision, "image_embed"),
     ]
@@ -82,8 +122,15 @@ def siglip2_family() -> list[Case]:
         text_limit=64,
         options={"padding_side": "left", "mask_pads": False},
     )
+    variants = [
+        # More patches than the 4 x 4 position grid (interpolated up), and fewer.
+        ("max-patches=32", {f"{MM}.SIGLIP2_MAX_PATCHES": 32}, PATCH_192, True),
+        ("max-patches=6", {f"{MM}.SIGLIP2_MAX_PATCHES": 6}, PATCH_192, False),
+        ("act=gelu", {f"{MM}.SIGLIP_TEXT": {"hidden_act": "gelu"}}, PATCH_192, False),
+    ]
     return [
         *_both(siglip2, "image_embed", ci=True),
+        *_variants(siglip2, "image_embed", variants),
         Case(left, "image_embed", "native", backend="sdpa"),
     ]
 
@@ -109,7 +156,16 @@ def retrieval_family() -> list[Case]:
     # max_num_patches, 16384 by default, is past what the CPU kernel takes; their text layers
     # are a decoder's). tests/models/test_qwen2_vl.py runs the kernel on the tower by hand.
     colqwen2_case = Case(colqwen2, "multivector", "native", backend="sdpa", ci=True)
-    return [*_both(colpali, "multivector", ci=True), colqwen2_case]
+    gemma = "paligemma_models.TEXT"
+    variants = [
+        ("kv4", {gemma: {"num_key_value_heads": 4}}, PATCH_192, True),
+        ("act=gelu", {gemma: {"hidden_act": "gelu"}}, PATCH_192, False),
+    ]
+    return [
+        *_both(colpali, "multivector", ci=True),
+        *_variants(colpali, "multivector", variants),
+        colqwen2_case,
+    ]
 
 
 def qwen2_vl_family() -> list[Case]:
@@ -126,8 +182,18 @@ def qwen2_vl_family() -> list[Case]:
     mean = {"pooler_config": {"pooling_type": "MEAN"}}
     # 5-token chunks: every image's placeholders split across steps.
     chunked = {"max_num_batched_tokens": 5, "max_num_seqs": 2}
+    text, vision = "qwen2_vl_models.TEXT", "qwen2_vl_models.VISION"
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+    variants = [
+        ("mrope=4-2-2", {text: {"rope_parameters": rope}}, PATCH_1176, False),
+        ("vision-act=gelu", {vision: {"hidden_act": "gelu"}}, PATCH_1176, False),
+        # Up to 140 x 140 px: grids of up to 10 x 10 patches (25 tokens).
+        ("max-pixels=140^2", {"qwen2_vl_models.MAX_PIXELS": 140 * 140}, PATCH_1176, False),
+        ("kv4", {text: {"num_key_value_heads": 4}}, PATCH_1176, False),
+    ]
     return [
         Case(gme, "vlm_last", "native", backend="sdpa", ci=True),
+        *_variants(gme, "vlm_last", variants),
         Case(gme, "vlm_mean", "native", backend="sdpa", llm_kwargs=mean),
         Case(gme, "vlm_last", "native", backend="sdpa", llm_kwargs=chunked),
         Case(base, "vlm_last", "native", backend="sdpa"),
