@@ -201,8 +201,37 @@ def qwen2_vl_family() -> list[Case]:
     ]
 
 
+def reduced_precision() -> list[Case]:
+    """bfloat16 on SDPA, with references.py's bfloat16 bound (float32 references)."""
+    entries = [
+        _image("clip", "CLIPModel", "clip", 4, PATCH_192, text_limit=77),
+        _image("siglip2", "Siglip2Model", "siglip2", 4, PATCH_192, text_limit=64),
+    ]
+    cases = [Case(m, "image_embed", "native", "bfloat16", backend="sdpa") for m in entries]
+    colpali = Model(
+        "colpali",
+        "ColPaliConfig",
+        "ColPaliForRetrieval",
+        {"depth": 7, "reduction": PATCH_192, "text_limit": 32},
+        "image",
+        "colpali",
+    )
+    gme = Model(
+        "qwen2-vl",
+        "Qwen2VLConfig",
+        "Qwen2VLForConditionalGeneration",
+        {"depth": 6, "reduction": PATCH_1176},
+        "image",
+        "qwen2_vl",
+    )
+    cases.append(Case(colpali, "multivector", "native", "bfloat16", backend="sdpa"))
+    cases.append(Case(gme, "vlm_last", "native", "bfloat16", backend="sdpa"))
+    return cases
+
+
 def image_family() -> list[Case]:
     return [
+        *reduced_precision(),
         *clip_family(),
         *siglip_family(),
         *siglip2_family(),

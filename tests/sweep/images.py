@@ -434,18 +434,18 @@ def set_backend(llm, case: Case) -> None:
 
     backend = {"sdpa": BUCKETED_SDPA, "kernel": CPU_KERNEL}[case.backend or "sdpa"]
     model = llm.engine.model_runner.model
-    cpu = torch.device("cpu")
+    cpu, dtype = torch.device("cpu"), getattr(torch, case.dtype)
     if case.model.layout.startswith(("qwen2_vl", "colqwen2")):
-        spec = model.visual.attention_spec(cpu, torch.float32)
+        spec = model.visual.attention_spec(cpu, dtype)
         assert backend.supports(spec), f"{case.id}: {backend.name} does not take {spec}"
         model.visual.set_encoder_backend(backend.for_spec(spec))
         return
-    spec = model.attention_spec(cpu, torch.float32)
+    spec = model.attention_spec(cpu, dtype)
     assert backend.supports(spec), f"{case.id}: {backend.name} does not take {spec}"
     model.set_attention_backend(backend.for_spec(spec))
     if case.model.layout == "colpali":
         tower = model.vision_tower
-        tower_spec = AttentionSpec(cpu, torch.float32, tower.head_dim, tower.num_patches)
+        tower_spec = AttentionSpec(cpu, dtype, tower.head_dim, tower.num_patches)
         assert backend.supports(tower_spec), f"{case.id}: {backend.name} for the vision tower"
         tower.set_attention_backend(backend.for_spec(tower_spec))
 

@@ -162,7 +162,7 @@ def test_sweep(case: Case, sweep_world: World, caplog) -> None:
 def _check_images(case: Case, llm, inputs: list, ref: list) -> None:
     """An image case (images.py): packed, then each item alone, with the entry's bound."""
     config = case.model.config
-    bound = references.Bound("float32", int(config["depth"]), int(config["reduction"]))
+    bound = references.Bound(case.dtype, int(config["depth"]), int(config["reduction"]))
     images.guard(case, inputs, ref, float32_rtol(bound.depth, bound.reduction))
     hits = llm.get_metrics().prefix_cache_hits
     packed = images.run_tidepool(llm, case.output, inputs)
