@@ -19,6 +19,7 @@ import transformers
 from conftest import copy_bert_tokenizer, save_roberta_tokenizer
 from tiny_decoders import save_tokenizer as save_decoder_tokenizer
 
+from sweep import images
 from sweep.grid import Model
 
 QWEN3_YES_NO_CORPUS = ["yes\nno\n"] * 50
@@ -127,6 +128,8 @@ def build(spec: Model, root: Path, minilm_path: Path) -> Path:
         return folder
     if spec.layout == "colbert_ir":
         return _build_colbert_ir(spec, root / "hf", minilm_path)
+    if spec.layout in images.LAYOUTS:
+        return images.build(spec, root)
     raise ValueError(f"unknown layout {spec.layout!r}")
 
 

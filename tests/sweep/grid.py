@@ -2,7 +2,7 @@
 
 A new architecture joins the sweep with one `Model` entry (its transformers config class, model
 class, sizes and options, tokenizer kind, layout) and the `Case`s to run on it (path, output,
-dtype), in grid_encoders.py or grid_decoders.py; `python -m sweep.grid` from tests/ prints the
+dtype), in grid_encoders.py, grid_decoders.py or grid_images.py; `python -m sweep.grid` from tests/ prints the
 grid's size. `ci=True` puts a case in the
 fixed subset every test run takes; TIDEPOOL_SWEEP=full runs them all (tests/sweep/README.md).
 
@@ -20,6 +20,13 @@ Outputs (how tidepool's answer is compared; references.py computes each referenc
     clip_embed      embed (raw) vs transformers' CLIPTextModelWithProjection text_embeds
     rerank_vllm     score() of pre-formatted Qwen3-Reranker texts vs vLLM's formula on transformers:
                     sigmoid(logit["yes"] - logit["no"]) at the last token of query + document
+    image_embed     embed (raw) of images and texts vs transformers' get_image_features /
+                    get_text_features (CLIP, SigLIP, SigLIP 2), image_embeds / pooler_output
+                    (the vision towers alone)
+    multivector     token_embed of pages and queries vs ColPali / ColQwen2ForRetrieval
+                    .embeddings at the unpadded tokens
+    vlm_last        embed (raw) of Qwen2-VL prompts (texts, images inside texts) vs the last
+    vlm_mean        hidden state of transformers' Qwen2-VL body at the last token / its mean
     refuse          loading must fail with a message naming the option (`refuses`, a regex)
 
 Paths: "auto" (what a user gets), "native", "transformers" (model_impl), "fallback". Attention
@@ -45,10 +52,11 @@ class Model:
     config: dict[str, Any]
     tokenizer: str
     """bert (all-MiniLM's WordPiece), bpe / unigram (conftest's RoBERTa / XLM-R-like), decoder
-    (tiny_decoders' BPE), t5, reranker (a Qwen-like BPE with "yes" / "no")."""
+    (tiny_decoders' BPE), t5, reranker (a Qwen-like BPE with "yes" / "no"), image (the image
+    folder builders' own tokenizer)."""
     layout: str = "hf"
     """hf (save_pretrained only), st (a sentence-transformers pipeline), splade, bge_m3,
-    colbert_ir."""
+    colbert_ir; the image folders of images.LAYOUTS (the per-model tests' builders)."""
     st: dict[str, Any] | None = None
     """st / splade layouts: pooling, dense [(out, bias, act)], layer_norm, normalize."""
 
@@ -211,7 +219,7 @@ def _encoder_cases(model: Model, output: str = "tokens", ci: bool = False, **kw:
 
 
 def all_cases() -> list[Case]:
-    from sweep import grid_decoders, grid_encoders
+    from sweep import grid_decoders, grid_encoders, grid_images
 
     cases = [
         *grid_encoders.bert_family(),
@@ -222,6 +230,7 @@ def all_cases() -> list[Case]:
         *grid_decoders.decoder_family(),
         *grid_decoders.backend_family(),
         *grid_decoders.reduced_precision(),
+        *grid_images.image_family(),
     ]
     ids = [c.id for c in cases]
     duplicates = {i for i in ids if ids.count(i) > 1}

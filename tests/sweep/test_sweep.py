@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 from cpu_features import requires_cpu_kernel, requires_int8_gemm
+from tolerances import float32_rtol
 
-from sweep import references
+from sweep import images, references
 from sweep.builders import build
 from sweep.grid import Case, Model, selected_cases
 
@@ -77,6 +78,9 @@ class World:
     def _set_backend(self, llm, case: Case) -> None:
         from tidepool.attention.backend import BUCKETED_SDPA, CPU_KERNEL
 
+        if case.output in images.OUTPUTS:
+            images.set_backend(llm, case)
+            return
         model = llm.engine.model_runner.model
         if case.backend is None:
             model.set_attention_backend(self.loader_backends[case.engine_key])
@@ -99,8 +103,13 @@ class World:
             folder = self.folder(case.model)
             max_len = self.max_len(case, llm)
             tokenizer = llm.get_tokenizer()
+            if case.output in images.OUTPUTS:
+                inputs: Any = images.inputs(case.model, folder)
+                self.inputs[key] = inputs
+                self.refs[key] = images.REFERENCES[case.output](case.model, folder, inputs)
+                return self.inputs[key], self.refs[key]
             if case.output == "cross_encoder":
-                inputs: Any = references.text_pairs(tokenizer, case.model.seed, max_len)
+                inputs = references.text_pairs(tokenizer, case.model.seed, max_len)
             elif case.output == "bge_m3":
                 inputs = [
                     q + " " + d
@@ -138,6 +147,9 @@ def test_sweep(case: Case, sweep_world: World, caplog) -> None:
         modules = llm.engine.model_runner.model.modules()
         assert any(isinstance(m, Int8Linear) for m in modules), f"{case.id}: int8 kept float32"
     inputs, ref = sweep_world.inputs_and_reference(case, llm)
+    if case.output in images.OUTPUTS:
+        _check_images(case, llm, inputs, ref)
+        return
     references.guard(case, ref)
     max_len = sweep_world.max_len(case, llm)
     bound = references.Bound.of(case, max_len)
@@ -145,3 +157,19 @@ def test_sweep(case: Case, sweep_world: World, caplog) -> None:
     references.check(case, bound, packed, ref, "packed")
     alone = references.run_alone(llm, case.output, inputs)
     references.check(case, bound, alone, ref, "alone")
+
+
+def _check_images(case: Case, llm, inputs: list, ref: list) -> None:
+    """An image case (images.py): packed, then each item alone, with the entry's bound."""
+    config = case.model.config
+    bound = references.Bound(case.dtype, int(config["depth"]), int(config["reduction"]))
+    images.guard(case, inputs, ref, float32_rtol(bound.depth, bound.reduction))
+    hits = llm.get_metrics().prefix_cache_hits
+    packed = images.run_tidepool(llm, case.output, inputs)
+    references.check(case, bound, packed, ref, "packed")
+    alone = [images.run_tidepool(llm, case.output, [item])[0] for item in inputs]
+    references.check(case, bound, alone, ref, "alone")
+    if case.output == "vlm_last" and case.llm_kwargs.get("enable_prefix_caching", True):
+        # The repeated long prompts hit the prefix cache: that path ran (images.py). MEAN
+        # pooling reads every token's state, so it skips reading the cache (as vLLM).
+        assert llm.get_metrics().prefix_cache_hits > hits, f"{case.id}: no prefix-cache hit"
