@@ -20,6 +20,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from tidepool.checkpoint.siglip_tokenizer import load_tokenizer
 from tidepool.config import ModelConfig
 from tidepool.engine.chunked import ChunkedInput, LongInputSplitter
 from tidepool.engine.generate_inputs import tokenize_generate
@@ -52,11 +53,10 @@ from tidepool.utils.lists import filled
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer=None) -> None:
-        from transformers import AutoTokenizer
-
         self.model_config = model_config
         self.max_model_len = model_config.max_model_len
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_config.tokenizer_source)
+        # AutoTokenizer, or SigLIP 1's SentencePiece-only tokenizer converted to a fast one.
+        self.tokenizer = tokenizer or load_tokenizer(model_config.tokenizer_source)
         if model_config.chat_template is not None:
             self.tokenizer.chat_template = model_config.chat_template
         # We check lengths ourselves; stop transformers warning about long inputs.
