@@ -180,6 +180,15 @@ def test_converted_tokenizer_keeps_the_special_tokens_and_settings(tokenizers):
     assert len(fast) == len(slow) == VOCAB
 
 
+def test_model_input_names_pass_through(spiece, tmp_path):
+    """A tokenizer_config.json with model_input_names ["input_ids"] (no attention_mask: the
+    pads are attended, as get_text_features does then) keeps it."""
+    folder = _folder_with(tmp_path, spiece, model_input_names=["input_ids"])
+    fast = convert(folder)
+    assert fast.model_input_names == ["input_ids"]
+    assert "attention_mask" not in fast(["ka ri"], padding="max_length")
+
+
 _ALPHABET = st.one_of(
     st.sampled_from(list("kariton mesu lopedi AKRTNΣΑσ'.,!?-_()[]\"\t\n\r ")),
     st.sampled_from(["\u3000", "\u00a0", "\x1c", "\x85", "\u2581", "\x00", "\x7f", "\u200b"]),
@@ -208,7 +217,8 @@ def test_known_differences_on_texts_that_spell_special_tokens(tokenizers):
     """The differences the module's docstring names, kept visible: SiglipTokenizer adds no EOS
     after a text ending in a literal "</s>" (the same ids once padded with "</s>"), and after a
     literal special token a part starting with punctuation or a control character gets a "▁"
-    here (SiglipTokenizer strips it away before the part is encoded as a word's continuation)."""
+    here (SiglipTokenizer strips it away before the part is encoded as a word's continuation);
+    and a control piece spelled in full-width forms gets that piece."""
     slow, fast = tokenizers
     assert fast("kari </s>")["input_ids"] == slow("kari </s>")["input_ids"] + [slow.eos_token_id]
     padded = {"padding": "max_length", "max_length": MAX_LENGTH}
@@ -217,6 +227,9 @@ def test_known_differences_on_texts_that_spell_special_tokens(tokenizers):
     _assert_same_ids(slow, fast, ["</s> kari", "ka </s> ri", "<unk>", "x <unk> y", "  </s> ka"])
     for text in ("x </s>\x1cy", "x <unk>, y"):
         assert fast(text)["input_ids"] != slow(text)["input_ids"]
+    # NFKC spelling a control piece: the Unigram model matches it, sentencepiece never does.
+    assert fast("＜／ｓ＞")["input_ids"].count(slow.eos_token_id) == 2
+    assert slow("＜／ｓ＞")["input_ids"].count(slow.eos_token_id) == 1
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -256,17 +269,20 @@ DEPTH = SIGLIP_TEXT["num_hidden_layers"] + 2
 REDUCTION = 3 * CLIP_VISION["patch_size"] ** 2  # as tests/models/test_siglip.py
 
 
-def test_siglip_with_sentencepiece_only_tokenizer_matches_transformers(
-    spiece, tmp_path, report_tolerance
-):
+@pytest.fixture(scope="module")
+def siglip(spiece, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("siglip_spm") / "model"
+    return folder, _build_siglip_with_spiece(folder, spiece)
+
+
+def test_siglip_with_sentencepiece_only_tokenizer_matches_transformers(siglip, report_tolerance):
     """LLM loads the folder (the tokenizer converted) and its text embeddings equal
     get_text_features on SiglipTokenizer(padding="max_length") ids, within the bound of
     tests/models/test_siglip.py (rtol ~3.2e-4 of the magnitude: tests/tolerances.py, depth 4,
     the patch GEMM's 192-term reduction)."""
     from transformers import AutoTokenizer
 
-    folder = tmp_path / "siglip"
-    model = _build_siglip_with_spiece(folder, spiece)
+    folder, model = siglip
     slow = AutoTokenizer.from_pretrained(str(folder))
     assert type(slow).__name__ == "SiglipTokenizer"
     inputs = slow(E2E_TEXTS, padding="max_length", return_tensors="pt")
@@ -284,6 +300,26 @@ def test_siglip_with_sentencepiece_only_tokenizer_matches_transformers(
     # Guard: the texts' embeddings differ far more than the tolerance.
     error = (got - expected).abs().max()
     assert (expected[0] - expected[1]).abs().max() > 100 * error
+
+
+def test_truncated_texts_equal_siglip_tokenizer(siglip):
+    """truncate_prompt_tokens on texts short, long and longer than the prefix tokenizer's first
+    read (4096 characters): the ids SiglipTokenizer(truncation=True) keeps, then the pads."""
+    from transformers import AutoTokenizer
+
+    folder, _ = siglip
+    slow = AutoTokenizer.from_pretrained(str(folder))
+    rng = random.Random(1)
+    words = [*SYLLABLES, *EXTRA_WORDS, "!!", "Σ", ","]
+    texts = [" ".join(rng.choice(words) for _ in range(n)) for n in (5, 40, 1500)]
+    assert len(texts[-1]) > 4096
+    llm = LLM(str(folder), device="cpu", dtype="float32")
+    for keep in (SIGLIP_TEXT_LEN, 10):
+        params = PoolingParams(truncate_prompt_tokens=keep)
+        outs = llm.embed(texts, pooling_params=params, use_tqdm=False)
+        expected = slow(texts, truncation=True, max_length=keep, padding="max_length")["input_ids"]
+        pads = [slow.pad_token_id] * (SIGLIP_TEXT_LEN - keep)
+        assert [list(o.prompt_token_ids) for o in outs] == [e + pads for e in expected]
 
 
 # ----------------------------------------------------------------------------- refusals

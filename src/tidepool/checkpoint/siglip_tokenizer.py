@@ -6,38 +6,47 @@ backend only, and tidepool's input processor needs a fast tokenizer. `load_token
 for such a folder, reproducing SiglipTokenizer (transformers 5, tokenization_siglip.py):
 
     SiglipTokenizer                                  here (a tokenizers.Tokenizer)
-    split on its special tokens                      added tokens (not normalized)
+    split on its special tokens                      added tokens (not normalized; lstrip and
+                                                       rstrip: canonicalize_text strips anyway)
     "▁" in the text → " "                            Replace("▁", " ")
-    canonicalize_text: str.lower (do_lower_case),    Replace(final-context Σ → ς), per-character
-                                                     fixes where Rust's lower-casing differs from
-                                                     Python's, Lowercase
+    canonicalize_text: str.lower (do_lower_case)     Replace(final-context Σ → ς), Lowercase,
+                                                       with the characters Rust's (newer)
+                                                       Unicode lower-cases otherwise escaped
+                                                       around it and written as Python does
       string.punctuation removed                     Replace([ASCII punctuation], "")
-      re.sub(r"\\s+", " "), strip()                  Replace([Python's whitespace]+, " "), Strip
+      re.sub(r"\s+", " "), strip()                  Replace([Python's whitespace]+, " "),
+                                                       Strip (right; the left: see below)
     sentencepiece's normalizer: the precompiled      Precompiled(charsmap), Replace(" {2,}", " "),
-      charsmap, extra whitespace removed               Strip
-    "▁" before the first chunk, and the dummy         Metaspace("▁", prepend_scheme="first"): the
-      prefix ("<unk>" + chunk, its pieces dropped)     text's first part only gets the "▁"
+      charsmap, extra whitespace removed               Strip (right)
+    "▁" + text: the first part gets a "▁"; the       Metaspace("▁", prepend_scheme="first"),
+      parts after special tokens are encoded as        which prepends to the part at offset 0
+      "<unk>" + part with the pieces of "<unk>"        only: a leading run that the steps above
+      dropped (a word's continuation, no "▁")          would remove becomes one space instead
+                                                       (kept at offset 0, it becomes the "▁")
     Unigram Viterbi, unknown pieces → unk_id,        Unigram(pieces, scores, unk_id): unknown
       consecutive unknowns fused                       characters fused too
     "X </s>" (EOS after each sequence)               TemplateProcessing
 
 Python's final sigma rule (U+03A3 after a cased letter, case-ignorable characters between, and
 no cased letter after) is a lookbehind / lookahead regex over Python's own cased and
-case-ignorable sets, read off `str.lower` itself; so are the whitespace set and the characters
-whose lower-case form Rust spells differently (none but Σ on the versions tested). The module
-is checked token for token against SiglipTokenizer in tests/models/test_siglip_tokenizer.py (a
-fixed corpus and a hypothesis property test).
+case-ignorable sets, read off `str.lower` itself; so are the whitespace set, the characters
+whose lower case Rust writes otherwise (Unicode 16 letters Python 3.11 leaves as they are), and
+the characters the charsmap deletes (for the leading run). Built once per process (~2 s). The
+module is checked token for token against SiglipTokenizer in
+tests/models/test_siglip_tokenizer.py (a fixed corpus and a hypothesis property test).
 
-Known differences, both on texts that spell special tokens: SiglipTokenizer does not add EOS
-after a text ending in a literal "</s>" (this one does: the same ids once padded with "</s>",
-one more position in the attention mask); and sentencepiece never matches its control pieces
-("<pad>", "</s>", "<unk>") in text, which a Unigram model does when NFKC spells one out of
-full-width forms ("＜／ｓ＞": ASCII punctuation is removed before NFKC, so only such forms can).
+Known differences, all on texts that spell special tokens: SiglipTokenizer adds no EOS after a
+text ending in a literal "</s>" (this one does: the same ids once padded with "</s>", one more
+position in an attention mask); after a literal special token, a part that starts with
+punctuation or a control character gets a "▁" here; and sentencepiece never matches its control
+pieces ("<pad>", "</s>", "<unk>") in text, which a Unigram model does when NFKC spells one out
+of full-width forms ("＜／ｓ＞"; ASCII punctuation itself is removed before NFKC).
 
 Refused, by name, rather than guessed: a model that is not Unigram, byte fallback, user-defined,
-byte or unused pieces, pieces with "▁" inside, an empty charsmap, sentencepiece normalizer
-options other than the defaults, and any tokenizer_config.json key or value not handled here
-(sp_model_kwargs, legacy=False, additional special tokens, split_special_tokens, ...).
+byte or unused pieces, pieces with "▁" inside, no "▁" piece, an empty charsmap, sentencepiece
+normalizer options other than the defaults, and any tokenizer_config.json key or value not
+handled here (sp_model_kwargs, legacy=False, additional special tokens, split_special_tokens,
+...). A `tokenizer=` that is a model id rather than a folder goes to AutoTokenizer as before.
 """
 
 from __future__ import annotations
