@@ -133,8 +133,7 @@ def _assert_same_ids(slow, fast, texts: list[str]) -> None:
             assert got == expected, (text, special, slow.tokenize(text), fast.tokenize(text))
     expected = slow(texts, padding="max_length", max_length=MAX_LENGTH, truncation=True)
     got = fast(texts, padding="max_length", max_length=MAX_LENGTH, truncation=True)
-    assert got["input_ids"] == expected["input_ids"]
-    assert got["attention_mask"] == expected["attention_mask"]
+    assert dict(got) == dict(expected)  # input_ids, and attention_mask where the names have it
 
 
 def test_converted_ids_equal_siglip_tokenizer_on_a_fixed_corpus(tokenizers):
@@ -178,6 +177,58 @@ def test_converted_tokenizer_keeps_the_special_tokens_and_settings(tokenizers):
     assert fast.padding_side == slow.padding_side
     assert fast.model_input_names == slow.model_input_names
     assert len(fast) == len(slow) == VOCAB
+
+
+_TOKEN = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+
+
+@pytest.mark.parametrize("with_decoder", [True, False])
+def test_hub_layout_with_special_tokens_map(spiece, tmp_path, with_decoder):
+    """The layout of the Hub's google/siglip-* folders (saved by transformers 4): a
+    tokenizer_config.json with processor_class, additional_special_tokens [], model_input_names
+    ["input_ids"], beside a special_tokens_map.json, which transformers reads only when the
+    config has no added_tokens_decoder."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    shutil.copy(spiece, folder / "spiece.model")
+    config = {
+        "additional_special_tokens": [],
+        "clean_up_tokenization_spaces": True,
+        "do_lower_case": True,
+        "eos_token": "</s>",
+        "model_input_names": ["input_ids"],
+        "model_max_length": 64,
+        "pad_token": "</s>",
+        "processor_class": "SiglipProcessor",
+        "sp_model_kwargs": {},
+        "tokenizer_class": "SiglipTokenizer",
+        "unk_token": "<unk>",
+    }
+    if with_decoder:
+        config["added_tokens_decoder"] = {
+            "1": {"content": "</s>", "special": True, **_TOKEN},
+            "2": {"content": "<unk>", "special": True, **_TOKEN},
+        }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    special = {k: {"content": config[k], **_TOKEN} for k in ("eos_token", "pad_token", "unk_token")}
+    (folder / "special_tokens_map.json").write_text(json.dumps(special))
+    slow = AutoTokenizer.from_pretrained(str(folder))
+    fast = load_tokenizer(str(folder))
+    assert fast.backend_tokenizer is not None
+    assert fast.model_input_names == slow.model_input_names == ["input_ids"]
+    _assert_same_ids(slow, fast, CORPUS[:12])
+
+
+def test_do_lower_case_false_keeps_the_case(spiece, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = _folder_with(tmp_path, spiece, do_lower_case=False)
+    slow = AutoTokenizer.from_pretrained(str(folder))
+    fast = convert(folder)
+    _assert_same_ids(slow, fast, CORPUS)
+    assert fast("KARI")["input_ids"] != fast("kari")["input_ids"]
 
 
 def test_model_input_names_pass_through(spiece, tmp_path):

@@ -151,14 +151,32 @@ def _read_config(folder: Path) -> dict[str, Any]:
                 f"{folder / CONFIG}: {key}={config[key]!r} is not reproduced by tidepool's "
                 f"SiglipTokenizer conversion (the folder has no tokenizer.json)"
             )
-    if (folder / "added_tokens.json").is_file() or (folder / "special_tokens_map.json").is_file():
-        raise ValueError(
-            f"{folder}: added_tokens.json / special_tokens_map.json are not read by tidepool's "
-            f"SiglipTokenizer conversion (the folder has no tokenizer.json)"
-        )
     if not isinstance(config.get("do_lower_case", True), bool):
         raise ValueError(f"{folder / CONFIG}: do_lower_case={config['do_lower_case']!r}")
     return config
+
+
+def _legacy_files(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The config with special_tokens_map.json merged in, as transformers does: only when the
+    config has no added_tokens_decoder (then the map's tokens win; added_tokens.json is read
+    then too, and refused here), else both files are ignored."""
+    if config.get("added_tokens_decoder"):
+        return config
+    if (folder / "added_tokens.json").is_file():
+        raise ValueError(
+            f"{folder}: added_tokens.json is not reproduced by tidepool's SiglipTokenizer "
+            f"conversion (the folder has no tokenizer.json)"
+        )
+    path = folder / "special_tokens_map.json"
+    if not path.is_file():
+        return config
+    tokens = json.loads(path.read_text(encoding="utf-8"))
+    unknown = sorted(set(tokens) - {*_DEFAULTS, "additional_special_tokens"})
+    if unknown:
+        raise ValueError(f"{path}: {', '.join(unknown)} not reproduced by tidepool's conversion")
+    if tokens.get("additional_special_tokens"):
+        raise ValueError(f"{path}: additional_special_tokens are not reproduced")
+    return {**config, **{k: v for k, v in tokens.items() if k in _DEFAULTS}}
 
 
 def _special_tokens(config: dict[str, Any], pieces: dict[str, int]) -> dict[str, str]:
@@ -386,7 +404,7 @@ def convert(folder: Path) -> Any:
     tokenizer_config.json); refuses what it does not reproduce, naming it."""
     from transformers import PreTrainedTokenizerFast
 
-    config = _read_config(folder)
+    config = _legacy_files(folder, _read_config(folder))
     spiece = folder / SPIECE
     if not spiece.is_file():
         raise ValueError(f"{folder}: {CLASS_NAME} without {SPIECE} (nor tokenizer.json)")
