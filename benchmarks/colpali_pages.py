@@ -287,6 +287,27 @@ def describe_run(args, config, folder: Path) -> tuple[float, float]:
     return ours, full
 
 
+def print_roofline(config, processor, rate: float) -> None:
+    """The float32 ceiling here: pages/s if every FLOP ran at the GEMM speed of its tower's
+    linear shapes (benchmarks/roofline.py), preprocessing free; tidepool's share of it."""
+    from roofline import DecoderShape, EncoderShape, gemm_gflops
+
+    v, t = config.vlm_config.vision_config, config.vlm_config.text_config
+    tokens = len(processor.process_images(make_pages(1))["input_ids"][0])
+    vision, text = layer_flops(config, tokens)
+    rates = (
+        gemm_gflops(EncoderShape.from_hf_config(v), torch.float32),
+        gemm_gflops(DecoderShape.from_hf_config(t), torch.float32),
+    )
+    seconds = (
+        v.num_hidden_layers * vision / rates[0] + t.num_hidden_layers * text / rates[1]
+    ) / 1e9
+    print(
+        f"float32 roofline: vision GEMMs {rates[0]:.0f}, text GEMMs {rates[1]:.0f} GFLOP/s = "
+        f"{1 / seconds:.3f} pages/s; tidepool at {100 * rate * seconds:.0f}%"
+    )
+
+
 def vllm_line() -> str:
     if importlib.util.find_spec("vllm") is None:
         return "vLLM 0.32: not run (not installed in this python)"
@@ -346,6 +367,7 @@ def main() -> None:
             print(
                 f"tidepool at full depth, estimated from FLOPs: {rate * ours_flops / full_flops:.3f} pages/s"
             )
+            print_roofline(AutoConfig.from_pretrained(str(folder)), processor, rate)
         if args.queries:
             queries = make_queries(args.queries)
             compare(

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from tidepool.checkpoint.loader import DEFAULT_MODEL
+from tidepool.checkpoint.siglip_tokenizer import load_tokenizer
 from tidepool.config import EngineConfig, ModelConfig
 from tidepool.engine.args import build_engine_config
 from tidepool.engine.chunked import combine, expand, has_chunks
@@ -145,11 +146,9 @@ class AsyncEngine:
         detokenizer = None
         self.eos_token_ids: tuple[int, ...] = ()
         if config.model.runner_type == "generate":
-            from transformers import AutoTokenizer
-
             # The engine thread detokenizes with a tokenizer of its own: the tokenizer thread's
             # instance may be changing its truncation settings at the same moment.
-            detokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_source)
+            detokenizer = load_tokenizer(config.model.tokenizer_source)
             self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self._engine = LLMEngine(
             config, detokenizer=detokenizer, multi_vector=self.input_processor.multi_vector

@@ -20,6 +20,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from tidepool.checkpoint.siglip_tokenizer import load_tokenizer
 from tidepool.config import ModelConfig
 from tidepool.engine.chunked import ChunkedInput, LongInputSplitter
 from tidepool.engine.generate_inputs import tokenize_generate
@@ -52,11 +53,10 @@ from tidepool.utils.lists import filled
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer=None) -> None:
-        from transformers import AutoTokenizer
-
         self.model_config = model_config
         self.max_model_len = model_config.max_model_len
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_config.tokenizer_source)
+        # AutoTokenizer, or SigLIP 1's SentencePiece-only tokenizer converted to a fast one.
+        self.tokenizer = tokenizer or load_tokenizer(model_config.tokenizer_source)
         if model_config.chat_template is not None:
             self.tokenizer.chat_template = model_config.chat_template
         # We check lengths ourselves; stop transformers warning about long inputs.
@@ -68,6 +68,8 @@ class InputProcessor:
                 f"{type(self.tokenizer).__name__} has none"
             )
         self._prefix_tokenizer = PrefixTokenizer(backend)
+        # A converted tokenizer's own refusal of some texts (checkpoint/siglip_tokenizer.py).
+        self._text_problem = getattr(self.tokenizer, "tidepool_text_problem", None)
         self._num_special = self._prefix_tokenizer.num_special_tokens(pair=False)
         self.vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0) or 0)
         self.keep_token_types = model_config.uses_token_type_ids
@@ -99,7 +101,11 @@ class InputProcessor:
 
     def _parse(self, prompt: Any) -> ParsedPrompt | str:
         """A prompt → text, token ids (and images); a string is the error message."""
-        return parse_prompt(prompt, self.vocab_size, self._modalities)
+        parsed = parse_prompt(prompt, self.vocab_size, self._modalities)
+        if self._text_problem is not None and isinstance(parsed, ParsedPrompt) and parsed.text:
+            if problem := self._text_problem(parsed.text):
+                return f"the text {problem}"
+        return parsed
 
     def _prepare_text(self, text: str) -> str:
         """A text with the default prompt, as the tokenizer gets it (pairs)."""
