@@ -138,15 +138,19 @@ def build_colqwen2(folder: Path, seed: int = 41) -> Path:
     return folder
 
 
-def reference_inputs(tokenizer, prompt: str, images: list[Image.Image]) -> dict:
+def reference_inputs(
+    tokenizer, prompt: str, images: list[Image.Image], processor=None, ids: list[int] | None = None
+) -> dict:
     """What Qwen2VLProcessor gives transformers for `prompt` (one <|image_pad|> per image,
     expanded to its grid's tokens) without its video processor (torchvision): input_ids,
-    pixel_values, image_grid_thw, mm_token_type_ids, all with a batch of one."""
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    pixel_values, image_grid_thw, mm_token_type_ids, all with a batch of one. `processor`: the
+    image processor (this module's by default); `ids`: the prompt already tokenized."""
+    if ids is None:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     out: dict = {}
     grids: list[list[int]] = []
     if images:
-        processed = image_processor()(images=images, return_tensors="pt")
+        processed = (processor or image_processor())(images=images, return_tensors="pt")
         out["pixel_values"] = processed["pixel_values"]
         out["image_grid_thw"] = processed["image_grid_thw"]
         grids = processed["image_grid_thw"].tolist()

@@ -135,8 +135,8 @@ def siglip2_family() -> list[Case]:
     ]
 
 
-def retrieval_family() -> list[Case]:
-    colpali = Model(
+def _colpali() -> Model:
+    return Model(
         "colpali",
         "ColPaliConfig",
         "ColPaliForRetrieval",
@@ -144,6 +144,10 @@ def retrieval_family() -> list[Case]:
         "image",
         "colpali",
     )
+
+
+def retrieval_family() -> list[Case]:
+    colpali = _colpali()
     colqwen2 = Model(
         "colqwen2",
         "ColQwen2Config",
@@ -208,14 +212,7 @@ def reduced_precision() -> list[Case]:
         _image("siglip2", "Siglip2Model", "siglip2", 4, PATCH_192, text_limit=64),
     ]
     cases = [Case(m, "image_embed", "native", "bfloat16", backend="sdpa") for m in entries]
-    colpali = Model(
-        "colpali",
-        "ColPaliConfig",
-        "ColPaliForRetrieval",
-        {"depth": 7, "reduction": PATCH_192, "text_limit": 32},
-        "image",
-        "colpali",
-    )
+    colpali = _colpali()
     gme = Model(
         "qwen2-vl",
         "Qwen2VLConfig",

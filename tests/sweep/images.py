@@ -358,27 +358,12 @@ def ref_multivector(model: Model, folder: Path, items: list[Item]) -> list[torch
 
 def _qwen2_vl_inputs(folder: Path, tokenizer, item: Item) -> dict:
     """qwen2_vl_models.reference_inputs with the folder's own image processor."""
-    from qwen2_vl_models import IMAGE_PAD
+    from qwen2_vl_models import reference_inputs
 
     ids = list(item.token_ids or tokenizer(item.text, add_special_tokens=False)["input_ids"])
-    out: dict = {}
-    grids: list[list[int]] = []
-    if item.images:
-        processed = _image_processor(folder)(images=list(item.images), return_tensors="pt")
-        out["pixel_values"] = processed["pixel_values"]
-        out["image_grid_thw"] = processed["image_grid_thw"]
-        grids = processed["image_grid_thw"].tolist()
-    expanded: list[int] = []
-    grid_iter = iter(grids)
-    for token in ids:
-        if token == IMAGE_PAD:
-            t, h, w = next(grid_iter)
-            expanded.extend([IMAGE_PAD] * (t * h * w // 4))
-        else:
-            expanded.append(token)
-    out["input_ids"] = torch.tensor([expanded])
-    out["mm_token_type_ids"] = (out["input_ids"] == IMAGE_PAD).int()
-    return out
+    images = list(item.images) if item.images else []
+    processor = _image_processor(folder) if images else None
+    return reference_inputs(tokenizer, "", images, processor=processor, ids=ids)
 
 
 @torch.inference_mode()
