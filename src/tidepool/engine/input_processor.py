@@ -68,8 +68,7 @@ class InputProcessor:
                 f"{type(self.tokenizer).__name__} has none"
             )
         self._prefix_tokenizer = PrefixTokenizer(backend)
-        # A converted tokenizer's own refusal of some texts (checkpoint/siglip_tokenizer.py).
-        self._text_problem = getattr(self.tokenizer, "tidepool_text_problem", None)
+        self._text_problem: Any = getattr(self.tokenizer, "tidepool_text_problem", None)
         self._num_special = self._prefix_tokenizer.num_special_tokens(pair=False)
         self.vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0) or 0)
         self.keep_token_types = model_config.uses_token_type_ids
@@ -102,10 +101,9 @@ class InputProcessor:
     def _parse(self, prompt: Any) -> ParsedPrompt | str:
         """A prompt → text, token ids (and images); a string is the error message."""
         parsed = parse_prompt(prompt, self.vocab_size, self._modalities)
-        if self._text_problem is not None and isinstance(parsed, ParsedPrompt) and parsed.text:
-            if problem := self._text_problem(parsed.text):
-                return f"the text {problem}"
-        return parsed
+        text = parsed.text if isinstance(parsed, ParsedPrompt) and self._text_problem else None
+        problem = self._text_problem(text) if text else None  # a converted tokenizer's refusal
+        return f"the text {problem}" if problem else parsed
 
     def _prepare_text(self, text: str) -> str:
         """A text with the default prompt, as the tokenizer gets it (pairs)."""
