@@ -1,4 +1,4 @@
-"""CLIP image embedding: tidepool vs sentence-transformers, images/s on the same images, one run.
+"""CLIP image embedding: tidepool vs sentence-transformers and vLLM, images/s on the same images.
 
 The model has CLIP ViT-B/32's shape with random weights (fixed seed): a vision tower of 224 px
 images in 32 px patches (49 patches + the class token), 12 layers of 768, 12 heads, MLP 3072, and
@@ -10,12 +10,30 @@ Transformer module: CLIPModel.get_image_features) and saved again as its own fol
 modes (RGB, RGBA, L, P; 96 to 640 px sides), so resizing, cropping and RGB conversion are part of
 the work timed on both sides.
 
-Both sides run alternately (A B A B ...) in float32 on all cores; the ratio quoted is the median
-of the per-round ratios; the vectors are checked to agree (min cosine) so both figures are for the
-same work. Then tidepool's bfloat16 (cosine vs its float32) and int8 (quantization="int8"), or
-the refusal message where tidepool does not take them for CLIP.
+The third side is vLLM 0.32's CPU build (--vllm-python, /work/venv-vllm; --no-vllm leaves it out)
+in its own process (image_worker.py, with peers.py's CPU environment for vLLM): `vllm.LLM(model=
+..., runner="pooling", dtype="float32")`, prefix caching and its multimodal processor cache off
+(on, its rounds after the first reuse the first round's results: 716 images/s on
+16 images), `LLM.embed` on
+`{"prompt": "", "multi_modal_data": {"image": image}}` (vLLM's CLIP takes an image with an empty
+prompt only); its pooler is CLIP's default there, LAST, the class token through the visual
+projection, L2-normalized (the cosine does not see the scale). It loads the plain transformers
+folder build_clip writes first (root/"transformers"; the sentence-transformers folder loads too).
+It reads the images from lossless PNG copies of the same decoded images, opened once before its
+rounds, so all three time preprocessing and the model. Its wall and CPU seconds are its own
+process's. Two things of the model's making are vLLM's conditions: CLIP's special tokens come
+after the trained vocabulary, as in CLIP's own (vLLM takes token id 0 for its image placeholder and
+asserts no special token has it), and the text width must equal projection_dim (vLLM sizes its
+input-embedding buffer so): ViT-B/32's does; --quick's (64 vs 32) does not, so there vLLM's error
+is printed in place of its figures, as for any model or layout it refuses.
+
+The sides run in float32 on all cores, the order rotating each round (A B C, B C A, ...); a ratio
+quoted is the median of the per-round ratios; the vectors are checked to agree (min cosine vs
+tidepool's) so all figures are for the same work. Then tidepool's bfloat16 (cosine vs its float32)
+and int8 (quantization="int8"), or the refusal message where tidepool does not take them for CLIP.
 
     python benchmarks/clip_images.py [--images 256] [--rounds 3] [--batch-size 32] [--quick]
+        [--no-variants] [--vllm-python PATH] [--no-vllm]
 """
 
 from __future__ import annotations
@@ -78,7 +96,7 @@ QUICK = {  # --quick: a smoke run (heads of 32 and 64, as the CPU kernel builds)
         num_attention_heads=2,
         max_position_embeddings=77,
     ),
-    "projection_dim": 64,  # not below the text width: vLLM's CLIP refuses that (clip.py)
+    "projection_dim": 32,
 }
 SIZES = [(224, 224), (320, 240), (480, 640), (96, 128), (300, 500), (640, 360), (256, 256)]
 MODES = ["RGB", "RGB", "RGBA", "L", "RGB", "P", "RGB"]

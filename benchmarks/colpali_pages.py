@@ -1,4 +1,4 @@
-"""ColPali page embedding: tidepool vs transformers' ColPaliForRetrieval, pages/s, one run.
+"""ColPali page embedding: tidepool vs transformers' ColPaliForRetrieval and vLLM, pages/s.
 
 The model has colpali-v1.3's shape with random weights (fixed seed): a ColPaliConfig over a
 PaliGemmaConfig, its vision tower SigLIP So400m's (hidden 1152, 16 heads of 72, MLP 4304, patch
@@ -19,16 +19,37 @@ part of the work timed on both sides. tidepool runs `LLM.encode(pages, pooling_t
 1024 <image> + "<bos>Describe the image.\\n"); transformers runs `ColPaliForRetrieval(
 **ColPaliProcessor.process_images(batch)).embeddings` in batches under torch.inference_mode,
 its per-token vectors at the unpadded tokens. Both in this process, float32, the same thread
-count. Sides alternate (A B A B ...) for `--rounds` rounds; the figures are medians, the ratio
-the median of the per-round ratios; the vectors are checked to agree (min per-token cosine) so
-both figures are the same work. `--queries N` times N query texts the same way (tidepool: plain
-texts, which it puts in process_queries' format; transformers: process_queries batches).
+count. Sides take turns for `--rounds` rounds, the order rotating (A B C, B C A, ...); the
+figures are medians, a ratio the median of the per-round ratios; tidepool's and transformers'
+vectors are checked to agree (min per-token cosine) so both figures are the same work. `--queries
+N` times N query texts the same way, tidepool vs transformers only (tidepool: plain texts, which
+it puts in process_queries' format; transformers: process_queries batches).
 
-vLLM 0.32 is not installed here and is not run (its ColPali also runs the prompt causally, so
-its vectors differ from transformers': docs/multimodal.md, ColPali).
+The third side is vLLM 0.32's CPU build (--vllm-python, /work/venv-vllm; --no-vllm leaves it out)
+in its own process (image_worker.py, peers.py's CPU environment for vLLM; its wall and CPU seconds
+are that process's): `vllm.LLM(model=..., runner="pooling", dtype="float32")`, prefix caching and
+its multimodal processor cache off, `LLM.encode(pooling_task="token_embed")` on `{"prompt":
+"Describe the image.", "multi_modal_data": {"image": page}}`, from lossless PNG copies of the same
+decoded pages, opened once before its rounds. Its PaliGemma processor makes that 1024 <image> +
+<bos> + the text + "\n", the same 1034 tokens as process_images. Three things let it load the
+model, none changing the work: (1) the tokenizer gets "\n" as a piece of its own, as Gemma's has
+(vLLM's processor looks `vocab["\n"]` up: KeyError on the byte-level builder's), for all sides;
+(2) vLLM reads a copy of the folder with the vision tower's weights under the Hub's names
+(`vlm.vision_tower.vision_model.*`: transformers 5 saves `vlm.vision_tower.*`, which vLLM 0.32
+does not map); (3) without torchvision in its venv (peer_venvs.sh removes PyPI's CUDA build),
+vLLM's vision.py cannot import its Pixtral module, so the worker stubs the one transformers name it
+takes from there, used by Pixtral alone (image_worker.stub_pixtral_processor). A model or layout
+vLLM refuses anyway prints its error in place of its figures (--quick's tokenizer, for one).
+
+vLLM's ColPali runs the Gemma causally (docs/multimodal.md, ColPali), where transformers and
+tidepool attend over the whole prompt (PaliGemma's prefix), so its per-token vectors are other
+vectors: the min / mean cosine vs tidepool printed measure that difference, not an error. The
+last token sees the whole prompt under both masks: with one text layer its cosine is 1.000000
+(checked: --layers-text 1), deeper it drifts as the earlier tokens' states feed it.
 
     python benchmarks/colpali_pages.py [--pages 8] [--rounds 3] [--batch-size 4]
         [--layers-vision 6] [--layers-text 4] [--queries 0] [--quick]
+        [--vllm-python PATH] [--no-vllm]
 """
 
 from __future__ import annotations
