@@ -23,9 +23,10 @@ It reads the images from lossless PNG copies of the same decoded images, opened 
 rounds, so all three time preprocessing and the model. Its wall and CPU seconds are its own
 process's. Two things of the model's making are vLLM's conditions: CLIP's special tokens come
 after the trained vocabulary, as in CLIP's own (vLLM takes token id 0 for its image placeholder and
-asserts no special token has it), and the text width must equal projection_dim (vLLM sizes its
-input-embedding buffer so): ViT-B/32's does; --quick's (64 vs 32) does not, so there vLLM's error
-is printed in place of its figures, as for any model or layout it refuses.
+asserts no special token has it), and the text width must not exceed projection_dim (its
+clip.py raises NotImplementedError): ViT-B/32's, 512 both, loads; --quick's (text 64, projection
+32) does not (at 64 both, vLLM's input-embedding buffer, 512 wide, does not match), so there
+vLLM's error is printed in place of its figures, as for any model or layout it refuses.
 
 The sides run in float32 on all cores, the order rotating each round (A B C, B C A, ...); a ratio
 quoted is the median of the per-round ratios; the vectors are checked to agree (min cosine vs
