@@ -1,4 +1,4 @@
-"""CLIP image embedding: tidepool vs sentence-transformers, images/s on the same images, one run.
+"""CLIP image embedding: tidepool vs sentence-transformers and vLLM, images/s on the same images.
 
 The model has CLIP ViT-B/32's shape with random weights (fixed seed): a vision tower of 224 px
 images in 32 px patches (49 patches + the class token), 12 layers of 768, 12 heads, MLP 3072, and
@@ -10,12 +10,31 @@ Transformer module: CLIPModel.get_image_features) and saved again as its own fol
 modes (RGB, RGBA, L, P; 96 to 640 px sides), so resizing, cropping and RGB conversion are part of
 the work timed on both sides.
 
-Both sides run alternately (A B A B ...) in float32 on all cores; the ratio quoted is the median
-of the per-round ratios; the vectors are checked to agree (min cosine) so both figures are for the
-same work. Then tidepool's bfloat16 (cosine vs its float32) and int8 (quantization="int8"), or
-the refusal message where tidepool does not take them for CLIP.
+The third side is vLLM 0.32's CPU build (--vllm-python, /work/venv-vllm; --no-vllm leaves it out)
+in its own process (image_worker.py, with peers.py's CPU environment for vLLM): `vllm.LLM(model=
+..., runner="pooling", dtype="float32")`, prefix caching and its multimodal processor cache off
+(on, its rounds after the first reuse the first round's results: 716 images/s on
+16 images), `LLM.embed` on
+`{"prompt": "", "multi_modal_data": {"image": image}}` (vLLM's CLIP takes an image with an empty
+prompt only); its pooler is CLIP's default there, LAST, the class token through the visual
+projection, L2-normalized (the cosine does not see the scale). It loads the plain transformers
+folder build_clip writes first (root/"transformers"; the sentence-transformers folder loads too).
+It reads the images from lossless PNG copies of the same decoded images, opened once before its
+rounds, so all three time preprocessing and the model. Its wall and CPU seconds are its own
+process's. Two things of the model's making are vLLM's conditions: CLIP's special tokens come
+after the trained vocabulary, as in CLIP's own (vLLM takes token id 0 for its image placeholder and
+asserts no special token has it), and the text width must not exceed projection_dim (its
+clip.py raises NotImplementedError): ViT-B/32's, 512 both, loads; --quick's (text 64, projection
+32) does not (at 64 both, vLLM's input-embedding buffer, 512 wide, does not match), so there
+vLLM's error is printed in place of its figures, as for any model or layout it refuses.
+
+The sides run in float32 on all cores, the order rotating each round (A B C, B C A, ...); a ratio
+quoted is the median of the per-round ratios; the vectors are checked to agree (min cosine vs
+tidepool's) so all figures are for the same work. Then tidepool's bfloat16 (cosine vs its float32)
+and int8 (quantization="int8"), or the refusal message where tidepool does not take them for CLIP.
 
     python benchmarks/clip_images.py [--images 256] [--rounds 3] [--batch-size 32] [--quick]
+        [--no-variants] [--vllm-python PATH] [--no-vllm]
 """
 
 from __future__ import annotations
@@ -102,9 +121,12 @@ def make_images(count: int, seed: int = 0) -> list[Image.Image]:
     return images
 
 
-def save_tokenizer(folder: Path) -> int:
+def save_tokenizer(folder: Path) -> tuple[int, int, int]:
     """A byte-level BPE with CLIP's <|startoftext|> ... <|endoftext|> template (trained on the
-    benchmark corpus: the text tower is loaded, not timed). Returns the vocabulary size."""
+    benchmark corpus: the text tower is loaded, not timed), the two special tokens after the
+    trained entries as in CLIP's own vocabulary (49406, 49407): vLLM's CLIP takes id 0 for its
+    image placeholder and refuses a tokenizer whose special ids include 0. Returns the vocabulary
+    size and the two special ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -114,13 +136,15 @@ def save_tokenizer(folder: Path) -> int:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=1000,
-        special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(make_corpus(200), trainer)
+    tok.add_special_tokens(special)
+    bos, eos = (tok.token_to_id(t) for t in special)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{special[0]} $A {special[1]}", special_tokens=[(special[0], 0), (special[1], 1)]
+        single=f"{special[0]} $A {special[1]}",
+        special_tokens=[(special[0], bos), (special[1], eos)],
     )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -130,7 +154,7 @@ def save_tokenizer(folder: Path) -> int:
         model_max_length=77,
     )
     fast.save_pretrained(str(folder))
-    return len(fast)
+    return len(fast), bos, eos
 
 
 def build_clip(root: Path, shape: dict, seed: int = 0) -> Path:
@@ -141,13 +165,13 @@ def build_clip(root: Path, shape: dict, seed: int = 0) -> Path:
 
     raw = root / "transformers"
     raw.mkdir()
-    vocab = save_tokenizer(raw)
+    vocab, bos, eos = save_tokenizer(raw)
     size = shape["vision"]["image_size"]
     CLIPImageProcessorPil(
         size={"shortest_edge": size}, crop_size={"height": size, "width": size}
     ).save_pretrained(str(raw))
     config = transformers.CLIPConfig(
-        text_config=dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1, **shape["text"]),
+        text_config=dict(vocab_size=vocab, bos_token_id=bos, eos_token_id=eos, **shape["text"]),
         vision_config=shape["vision"],
         projection_dim=shape["projection_dim"],
     )
@@ -178,25 +202,45 @@ def tidepool_embed(llm) -> Callable[[list[Image.Image]], torch.Tensor]:
     return run
 
 
-def alternate(runs: dict[str, Callable[[], torch.Tensor]], rounds: int, count: int):
-    """Each run once per round, alternating: wall seconds per round, the last outputs. The
-    process's CPU seconds are printed beside the wall time (a busy machine shows as wall >> CPU
-    / threads)."""
+def alternate(runs: dict[str, Callable[[], object]], rounds: int, count: int):
+    """Each run once per round, the order rotating (A B C, B C A, ...): wall seconds per round,
+    the last outputs. A run returns its vectors, or (vectors, wall s, CPU s) where it times
+    itself in its own process (vLLM); otherwise this process's CPU seconds are printed beside
+    the wall time (a busy machine shows as wall >> CPU / threads)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     outs: dict[str, torch.Tensor] = {}
+    names = list(runs)
     for r in range(rounds):
         line = [f"round {r}"]
-        for name, run in runs.items():
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start, cpu = time.perf_counter(), time.process_time()
-            outs[name] = run()
-            times[name].append(time.perf_counter() - start)
-            cpu = time.process_time() - cpu
-            line.append(
-                f"{name} {count / times[name][-1]:7.1f} images/s "
-                f"({times[name][-1]:.2f} s wall, {cpu:.2f} s CPU)"
-            )
+            out = runs[name]()
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if isinstance(out, tuple):
+                out, wall, cpu = out
+            outs[name] = out
+            times[name].append(wall)
+            line.append(f"{name} {count / wall:7.1f} images/s ({wall:.2f} s wall, {cpu:.2f} s CPU)")
         print(" | ".join(line), flush=True)
     return times, outs
+
+
+def vllm_side(python: str, folder: Path, images: list, tmp: Path):
+    """vLLM 0.32 on the plain transformers folder build_clip wrote (its own layout): a worker
+    process (image_worker.py) over the same images saved as PNG. Returns (run, None), or (None,
+    vLLM's refusal)."""
+    from image_worker import ImageWorker, save_pngs
+
+    worker = ImageWorker(python, folder, save_pngs(images, tmp / "vllm-images"), "embed")
+    if worker.error:
+        return None, worker.error
+
+    def run():
+        rows, _, wall, cpu = worker.run()
+        return torch.from_numpy(rows), wall, cpu
+
+    run.close = worker.close  # type: ignore[attr-defined]
+    return run, None
 
 
 def variant(
@@ -217,13 +261,21 @@ def variant(
     return f"{len(images) / statistics.median(times[label]):7.1f} images/s, min cosine vs float32 {float(cos):.6f}"
 
 
-def compare(folder: Path, images: list, rounds: int, batch_size: int) -> torch.Tensor:
-    """tidepool vs sentence-transformers, float32, alternating: prints images/s, the ratio and
-    the agreement; returns tidepool's vectors (the reference of the variants)."""
+def compare(
+    folder: Path, images: list, rounds: int, batch_size: int, vllm_python: str | None
+) -> torch.Tensor:
+    """tidepool vs sentence-transformers (and vLLM where `vllm_python`), float32, alternating:
+    prints images/s, the ratios and the agreement; returns tidepool's vectors (the reference of
+    the variants)."""
     from sentence_transformers import SentenceTransformer
 
     from tidepool import LLM
 
+    vllm_run, refusal = None, None
+    if vllm_python:  # first: its start-up (a minute) is not inside anyone's round
+        vllm_run, refusal = vllm_side(
+            vllm_python, folder.parent / "transformers", images, folder.parent
+        )
     llm = LLM(str(folder), device="cpu", dtype="float32")
     st = SentenceTransformer(str(folder), device="cpu")
     ours = tidepool_embed(llm)
@@ -234,17 +286,26 @@ def compare(folder: Path, images: list, rounds: int, batch_size: int) -> torch.T
     ours(images[:8])  # warm-up both (first calls allocate and pick kernels)
     st.encode(images[:8], batch_size=batch_size)
     runs = {"tidepool": lambda: ours(images), "sentence-transformers": theirs}
-    times, outs = alternate(runs, rounds, len(images))
-    pairs = zip(times["tidepool"], times["sentence-transformers"], strict=True)
-    ratios = [s / t for t, s in pairs]
-    cos = F.cosine_similarity(outs["tidepool"], outs["sentence-transformers"], dim=-1).min()
+    if vllm_run is not None:
+        runs["vLLM"] = vllm_run
+    try:
+        times, outs = alternate(runs, rounds, len(images))
+    finally:
+        if vllm_run is not None:
+            vllm_run.close()
     print()
     for name, walls in times.items():
         print(f"{name:<22} {len(images) / statistics.median(walls):7.1f} images/s (median)")
-    print(
-        f"ratio (median of rounds): {statistics.median(ratios):.2f}x; "
-        f"agreement: min cosine {float(cos):.6f}"
-    )
+    for peer in times:
+        if peer != "tidepool":
+            ratios = [s / t for t, s in zip(times["tidepool"], times[peer], strict=True)]
+            cos = F.cosine_similarity(outs["tidepool"], outs[peer], dim=-1).min()
+            print(
+                f"tidepool / {peer}: {statistics.median(ratios):.2f}x (median of rounds: "
+                f"{' '.join(f'{x:.2f}' for x in ratios)}); agreement: min cosine {float(cos):.6f}"
+            )
+    if refusal:
+        print(f"vLLM 0.32: refused: {refusal}")
     preprocessing(folder, images)
     rate = {name: len(images) / statistics.median(walls) for name, walls in times.items()}
     print_roofline(folder, rate)
@@ -293,6 +354,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers'")
     parser.add_argument("--quick", action="store_true", help="tiny model, 16 images, 2 rounds")
     parser.add_argument("--no-variants", action="store_true", help="skip bfloat16 and int8")
+    parser.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
+    parser.add_argument("--no-vllm", action="store_true", help="no vLLM side")
     args = parser.parse_args()
     if args.quick:
         args.images, args.rounds = min(args.images, 16), min(args.rounds, 2)
@@ -311,7 +374,8 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_clip(Path(tmp), shape)
-        reference = compare(folder, images, args.rounds, args.batch_size)
+        vllm = None if args.no_vllm else args.vllm_python
+        reference = compare(folder, images, args.rounds, args.batch_size, vllm)
         if args.no_variants:
             return
         for label, kwargs in (

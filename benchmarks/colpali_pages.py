@@ -1,4 +1,4 @@
-"""ColPali page embedding: tidepool vs transformers' ColPaliForRetrieval, pages/s, one run.
+"""ColPali page embedding: tidepool vs transformers' ColPaliForRetrieval and vLLM, pages/s.
 
 The model has colpali-v1.3's shape with random weights (fixed seed): a ColPaliConfig over a
 PaliGemmaConfig, its vision tower SigLIP So400m's (hidden 1152, 16 heads of 72, MLP 4304, patch
@@ -19,22 +19,42 @@ part of the work timed on both sides. tidepool runs `LLM.encode(pages, pooling_t
 1024 <image> + "<bos>Describe the image.\\n"); transformers runs `ColPaliForRetrieval(
 **ColPaliProcessor.process_images(batch)).embeddings` in batches under torch.inference_mode,
 its per-token vectors at the unpadded tokens. Both in this process, float32, the same thread
-count. Sides alternate (A B A B ...) for `--rounds` rounds; the figures are medians, the ratio
-the median of the per-round ratios; the vectors are checked to agree (min per-token cosine) so
-both figures are the same work. `--queries N` times N query texts the same way (tidepool: plain
-texts, which it puts in process_queries' format; transformers: process_queries batches).
+count. Sides take turns for `--rounds` rounds, the order rotating (A B C, B C A, ...); the
+figures are medians, a ratio the median of the per-round ratios; tidepool's and transformers'
+vectors are checked to agree (min per-token cosine) so both figures are the same work. `--queries
+N` times N query texts the same way, tidepool vs transformers only (tidepool: plain texts, which
+it puts in process_queries' format; transformers: process_queries batches).
 
-vLLM 0.32 is not installed here and is not run (its ColPali also runs the prompt causally, so
-its vectors differ from transformers': docs/multimodal.md, ColPali).
+The third side is vLLM 0.32's CPU build (--vllm-python, /work/venv-vllm; --no-vllm leaves it out)
+in its own process (image_worker.py, peers.py's CPU environment for vLLM; its wall and CPU seconds
+are that process's): `vllm.LLM(model=..., runner="pooling", dtype="float32")`, prefix caching and
+its multimodal processor cache off, `LLM.encode(pooling_task="token_embed")` on `{"prompt":
+"Describe the image.", "multi_modal_data": {"image": page}}`, from lossless PNG copies of the same
+decoded pages, opened once before its rounds. Its PaliGemma processor makes that 1024 <image> +
+<bos> + the text + "\n", the same 1034 tokens as process_images. Three things let it load the
+model, none changing the work: (1) the tokenizer gets "\n" as a piece of its own, as Gemma's has
+(vLLM's processor looks `vocab["\n"]` up: KeyError on the byte-level builder's), for all sides;
+(2) vLLM reads a copy of the folder with the vision tower's weights under the Hub's names
+(`vlm.vision_tower.vision_model.*`: transformers 5 saves `vlm.vision_tower.*`, which vLLM 0.32
+does not map); (3) without torchvision in its venv (peer_venvs.sh removes PyPI's CUDA build),
+vLLM's vision.py cannot import its Pixtral module, so the worker stubs the one transformers name it
+takes from there, used by Pixtral alone (image_worker.stub_pixtral_processor). A model or layout
+vLLM refuses anyway prints its error in place of its figures (--quick's tokenizer, for one).
+
+vLLM's ColPali runs the Gemma causally (docs/multimodal.md, ColPali), where transformers and
+tidepool attend over the whole prompt (PaliGemma's prefix), so its per-token vectors are other
+vectors: the min / mean cosine vs tidepool printed measure that difference, not an error. The
+last token sees the whole prompt under both masks: with one text layer its cosine is 1.000000
+(checked: --layers-text 1), deeper it drifts as the earlier tokens' states feed it.
 
     python benchmarks/colpali_pages.py [--pages 8] [--rounds 3] [--batch-size 4]
         [--layers-vision 6] [--layers-text 4] [--queries 0] [--quick]
+        [--vllm-python PATH] [--no-vllm]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import os
 import random
@@ -136,7 +156,10 @@ def build_colpali(folder: Path, layers_vision: int, layers_text: int, seed: int 
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     folder.mkdir(parents=True)
-    vocab = len(tiny.save_tokenizer(folder))
+    tokenizer = tiny.save_tokenizer(folder)
+    tokenizer.add_tokens(["\n"])  # a piece of its own, as in Gemma's: vLLM's PaliGemma looks it up
+    tokenizer.save_pretrained(str(folder))
+    vocab = len(tokenizer)
     text = dict(GEMMA_2B, num_hidden_layers=layers_text, model_type="gemma", vocab_size=vocab)
     vision = dict(SO400M, num_hidden_layers=layers_vision, model_type="siglip_vision_model")
     vlm = PaliGemmaConfig(
@@ -208,54 +231,81 @@ def transformers_side(model, make_inputs, batch_size: int) -> Callable[[list], l
     return run
 
 
-def alternate(runs: dict[str, Callable[[], list]], rounds: int, count: int, unit: str):
-    """Each run once per round, alternating: wall seconds per round, the last outputs; the
-    process's CPU seconds beside the wall time (a busy machine shows as wall >> CPU / threads)."""
+def alternate(runs: dict[str, Callable[[], object]], rounds: int, count: int, unit: str):
+    """Each run once per round, the order rotating (A B C, B C A, ...): wall seconds per round,
+    the last outputs. A run returns its vectors, or (vectors, wall s, CPU s) where it times
+    itself in its own process (vLLM); otherwise this process's CPU seconds are printed beside the
+    wall time (a busy machine shows as wall >> CPU / threads)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     outs: dict[str, list] = {}
+    names = list(runs)
     for r in range(rounds):
         line = [f"round {r}"]
-        for name, run in runs.items():
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start, cpu = time.perf_counter(), time.process_time()
-            outs[name] = run()
-            times[name].append(time.perf_counter() - start)
-            cpu = time.process_time() - cpu
-            line.append(
-                f"{name} {count / times[name][-1]:7.3f} {unit}/s "
-                f"({times[name][-1]:.1f} s wall, {cpu:.1f} s CPU)"
-            )
+            out = runs[name]()
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if isinstance(out, tuple):
+                out, wall, cpu = out
+            outs[name] = out
+            times[name].append(wall)
+            line.append(f"{name} {count / wall:7.3f} {unit}/s ({wall:.1f} s wall, {cpu:.1f} s CPU)")
         print(" | ".join(line), flush=True)
     return times, outs
 
 
-def compare(label: str, inputs: tuple[list, list], ours, theirs, rounds: int, unit: str) -> float:
-    """Warm-up (one item each), alternating rounds, medians, the ratio and the agreement.
-    `inputs`: the same items as each side takes them. Returns tidepool's median rate."""
+def agreement(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> str:
+    """Min and mean per-token cosine, and the last token's min (under a causal mask the last
+    token still sees the whole prompt); where the token counts differ, over each page's last
+    min(n, m) tokens (the image tokens come first, the text last), and says so."""
+    note = ""
+    if any(len(a) != len(b) for a, b in zip(ours, theirs, strict=True)):
+        note = f"; token counts differ ({len(ours[0])} vs {len(theirs[0])} on page 0), last aligned"
+    cosines = [
+        F.cosine_similarity(a[-min(len(a), len(b)) :], b[-min(len(a), len(b)) :], dim=-1)
+        for a, b in zip(ours, theirs, strict=True)
+    ]
+    low = min(float(c.min()) for c in cosines)
+    mean = float(torch.cat(cosines).mean())
+    last = min(float(c[-1]) for c in cosines)
+    tokens = sum(len(a) for a in ours) / len(ours)
+    return (
+        f"min per-token cosine {low:.6f} (1 - {1 - low:.1e}), mean {mean:.6f}, last token's min "
+        f"{last:.6f}, over {len(ours)} x {tokens:.0f} token vectors{note}"
+    )
+
+
+def compare(
+    label: str, inputs: tuple[list, list], ours, theirs, rounds: int, unit: str, vllm=None
+) -> float:
+    """Warm-up (one item each), alternating rounds, medians, the ratios and the agreement.
+    `inputs`: the same items as each side takes them; `vllm`: vLLM's side (already warm) or
+    None. Returns tidepool's median rate."""
     print(f"\n{label}:")
     mine, yours = inputs
     ours(mine[:1])  # warm-up both (first calls allocate and pick kernels)
     theirs(yours[:1])
     runs = {"tidepool": lambda: ours(mine), "transformers": lambda: theirs(yours)}
+    if vllm is not None:
+        runs["vLLM"] = vllm
     items = mine
     times, outs = alternate(runs, rounds, len(items), unit)
-    pairs = zip(times["tidepool"], times["transformers"], strict=True)
-    ratios = [s / t for t, s in pairs]
     shapes = all(
         a.shape == b.shape for a, b in zip(outs["tidepool"], outs["transformers"], strict=True)
     )
     if not shapes:
         raise SystemExit("the two sides gave different token counts: not the same work")
-    cos = min(
-        float(F.cosine_similarity(a, b, dim=-1).min())
-        for a, b in zip(outs["tidepool"], outs["transformers"], strict=True)
-    )
-    tokens = sum(len(a) for a in outs["tidepool"]) / len(items)
     for name, walls in times.items():
         print(f"{name:<13} {len(items) / statistics.median(walls):7.3f} {unit}/s (median)")
-    print(
-        f"ratio (median of rounds): {statistics.median(ratios):.2f}x; agreement: min per-token "
-        f"cosine {cos:.6f} (1 - {1 - cos:.1e}) over {len(items)} x {tokens:.0f} token vectors"
-    )
+    for peer in times:
+        if peer == "tidepool":
+            continue
+        ratios = [s / t for t, s in zip(times["tidepool"], times[peer], strict=True)]
+        print(
+            f"tidepool / {peer}: {statistics.median(ratios):.2f}x (median of rounds: "
+            f"{' '.join(f'{x:.2f}' for x in ratios)}); agreement: "
+            f"{agreement(outs['tidepool'], outs[peer])}"
+        )
     return len(items) / statistics.median(times["tidepool"])
 
 
@@ -308,10 +358,50 @@ def print_roofline(config, processor, rate: float) -> None:
     )
 
 
-def vllm_line() -> str:
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM 0.32: not run (not installed in this python)"
-    return "vLLM 0.32: not run (no vLLM side here; its ColPali runs causally, other vectors)"
+def hub_layout(folder: Path, dest: Path) -> Path:
+    """A copy of the ColPali folder with its weights under the Hub's names (vidore/colpali-v1.3-hf:
+    `vlm.vision_tower.vision_model.*`), the same tensors: transformers 5 saves the tower as
+    `vlm.vision_tower.*`, which vLLM 0.32's ColPali does not map ("no module or parameter named
+    'vision_tower.embeddings'")."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir()
+    for file in folder.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, dest / file.name)
+            continue
+        prefix = "vlm.vision_tower."
+        renamed = {
+            (prefix + "vision_model." + k[len(prefix) :] if k.startswith(prefix) else k): v
+            for k, v in load_file(str(file)).items()
+        }
+        save_file(renamed, str(dest / file.name), metadata={"format": "pt"})
+    return dest
+
+
+def vllm_side(python: str, folder: Path, pages: list, tmp: Path):
+    """vLLM 0.32's ColPali (image_worker.py, `token_embed`) on the Hub-layout copy, the same
+    pages saved as PNG, the prompt "Describe the image." (vLLM's PaliGemma processor puts the
+    image tokens and <bos> before it and "\n" after). Returns (run, None), or (None, vLLM's
+    refusal)."""
+    from image_worker import ImageWorker, save_pngs
+
+    model = hub_layout(folder, tmp / "colpali-vllm")
+    images = save_pngs(pages, tmp / "vllm-pages")
+    worker = ImageWorker(python, model, images, "token_embed", "Describe the image.")
+    if worker.error:
+        return None, worker.error
+    print(f"vLLM worker: {worker.info}")
+
+    def run():
+        rows, lengths, wall, cpu = worker.run()
+        vectors = torch.from_numpy(rows).split(lengths)
+        return list(vectors), wall, cpu
+
+    run.close = worker.close  # type: ignore[attr-defined]
+    return run, None
 
 
 def parse_args() -> argparse.Namespace:
@@ -323,6 +413,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers-text", type=int, default=4, help="of 18")
     parser.add_argument("--queries", type=int, default=0, help="also time N query texts")
     parser.add_argument("--quick", action="store_true", help="the tiny test model, 2 pages")
+    parser.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
+    parser.add_argument("--no-vllm", action="store_true", help="no vLLM side")
     args = parser.parse_args()
     if args.rounds < 3:
         parser.error("--rounds: at least 3 (the median of alternating rounds)")
@@ -347,22 +439,31 @@ def main() -> None:
         else:
             build_colpali(folder, args.layers_vision, args.layers_text)
         ours_flops, full_flops = describe_run(args, AutoConfig.from_pretrained(str(folder)), folder)
-        print(vllm_line())
         pages = make_pages(args.pages)
+        vllm, refusal = None, None
+        if not args.no_vllm:  # first: its start-up is not inside anyone's round
+            vllm, refusal = vllm_side(args.vllm_python, folder, pages, Path(tmp))
         llm = LLM(str(folder), device="cpu", dtype="float32")
         model = ColPaliForRetrieval.from_pretrained(str(folder), dtype=torch.float32).eval()
         processor = reference_processor(folder)
         ours, size = tidepool_side(llm), sorted({im.size for im in pages})
         print(f"{len(pages)} pages, PNG-decoded, sizes {size}")
         prompts = [{"prompt": "", "multi_modal_data": {"image": im}} for im in pages]
-        rate = compare(
-            "pages",
-            (prompts, pages),
-            ours,
-            transformers_side(model, processor.process_images, args.batch_size),
-            args.rounds,
-            "pages",
-        )
+        try:
+            rate = compare(
+                "pages",
+                (prompts, pages),
+                ours,
+                transformers_side(model, processor.process_images, args.batch_size),
+                args.rounds,
+                "pages",
+                vllm,
+            )
+        finally:
+            if vllm is not None:
+                vllm.close()
+        if refusal:
+            print(f"vLLM 0.32: refused: {refusal}")
         if not args.quick:
             print(
                 f"tidepool at full depth, estimated from FLOPs: {rate * ours_flops / full_flops:.3f} pages/s"
