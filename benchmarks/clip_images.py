@@ -374,7 +374,9 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_clip(Path(tmp), shape)
-        vllm = None if args.no_vllm else args.vllm_python
+        from image_worker import vllm_python_or_none
+
+        vllm = None if args.no_vllm else vllm_python_or_none(args.vllm_python)
         reference = compare(folder, images, args.rounds, args.batch_size, vllm)
         if args.no_variants:
             return

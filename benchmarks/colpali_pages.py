@@ -441,7 +441,9 @@ def main() -> None:
         ours_flops, full_flops = describe_run(args, AutoConfig.from_pretrained(str(folder)), folder)
         pages = make_pages(args.pages)
         vllm, refusal = None, None
-        if not args.no_vllm:  # first: its start-up is not inside anyone's round
+        from image_worker import vllm_python_or_none
+
+        if not args.no_vllm and vllm_python_or_none(args.vllm_python):  # start-up: untimed
             vllm, refusal = vllm_side(args.vllm_python, folder, pages, Path(tmp))
         llm = LLM(str(folder), device="cpu", dtype="float32")
         model = ColPaliForRetrieval.from_pretrained(str(folder), dtype=torch.float32).eval()

@@ -121,6 +121,15 @@ def serve(engine: Engine, protocol) -> None:
         protocol.flush()
 
 
+def vllm_python_or_none(python: str | None) -> str | None:
+    """`python` where it exists; else None, saying so (a machine without the vLLM venv runs the
+    other sides)."""
+    if python and not Path(python).exists():
+        print(f"vLLM: not run ({python} not found: bash benchmarks/peers/peer_venvs.sh vllm)")
+        return None
+    return python
+
+
 def save_pngs(images: list, folder: Path) -> Path:
     """The benchmark's decoded images as lossless PNG files in `folder`, in order (the worker
     decodes the same pixels, in the same modes)."""
