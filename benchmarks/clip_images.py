@@ -203,26 +203,10 @@ def tidepool_embed(llm) -> Callable[[list[Image.Image]], torch.Tensor]:
 
 
 def alternate(runs: dict[str, Callable[[], object]], rounds: int, count: int):
-    """Each run once per round, the order rotating (A B C, B C A, ...): wall seconds per round,
-    the last outputs. A run returns its vectors, or (vectors, wall s, CPU s) where it times
-    itself in its own process (vLLM); otherwise this process's CPU seconds are printed beside
-    the wall time (a busy machine shows as wall >> CPU / threads)."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    outs: dict[str, torch.Tensor] = {}
-    names = list(runs)
-    for r in range(rounds):
-        line = [f"round {r}"]
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start, cpu = time.perf_counter(), time.process_time()
-            out = runs[name]()
-            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-            if isinstance(out, tuple):
-                out, wall, cpu = out
-            outs[name] = out
-            times[name].append(wall)
-            line.append(f"{name} {count / wall:7.1f} images/s ({wall:.2f} s wall, {cpu:.2f} s CPU)")
-        print(" | ".join(line), flush=True)
-    return times, outs
+    """image_worker.alternate in images/s."""
+    from image_worker import alternate as rotate
+
+    return rotate(runs, rounds, count, "images", 1)
 
 
 def vllm_side(python: str, folder: Path, images: list, tmp: Path):

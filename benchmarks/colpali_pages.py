@@ -62,7 +62,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -232,26 +231,10 @@ def transformers_side(model, make_inputs, batch_size: int) -> Callable[[list], l
 
 
 def alternate(runs: dict[str, Callable[[], object]], rounds: int, count: int, unit: str):
-    """Each run once per round, the order rotating (A B C, B C A, ...): wall seconds per round,
-    the last outputs. A run returns its vectors, or (vectors, wall s, CPU s) where it times
-    itself in its own process (vLLM); otherwise this process's CPU seconds are printed beside the
-    wall time (a busy machine shows as wall >> CPU / threads)."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    outs: dict[str, list] = {}
-    names = list(runs)
-    for r in range(rounds):
-        line = [f"round {r}"]
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start, cpu = time.perf_counter(), time.process_time()
-            out = runs[name]()
-            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-            if isinstance(out, tuple):
-                out, wall, cpu = out
-            outs[name] = out
-            times[name].append(wall)
-            line.append(f"{name} {count / wall:7.3f} {unit}/s ({wall:.1f} s wall, {cpu:.1f} s CPU)")
-        print(" | ".join(line), flush=True)
-    return times, outs
+    """image_worker.alternate in `unit`/s."""
+    from image_worker import alternate as rotate
+
+    return rotate(runs, rounds, count, unit, 3)
 
 
 def agreement(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> str:

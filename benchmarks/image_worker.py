@@ -121,6 +121,32 @@ def serve(engine: Engine, protocol) -> None:
         protocol.flush()
 
 
+def alternate(runs: dict, rounds: int, count: int, unit: str, digits: int = 1) -> tuple:
+    """Each run once per round, the order rotating (A B C, B C A, ...): wall seconds per round,
+    the last outputs. A run returns its vectors, or (vectors, wall s, CPU s) where it times
+    itself in its own process (vLLM); otherwise this process's CPU seconds are printed beside
+    the wall time (a busy machine shows as wall >> CPU / threads). The image benchmarks'
+    driver side (clip_images.py, colpali_pages.py)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    outs: dict[str, object] = {}
+    names = list(runs)
+    for r in range(rounds):
+        line = [f"round {r}"]
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start, cpu = time.perf_counter(), time.process_time()
+            out = runs[name]()
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if isinstance(out, tuple):
+                out, wall, cpu = out
+            outs[name] = out
+            times[name].append(wall)
+            line.append(
+                f"{name} {count / wall:7.{digits}f} {unit}/s ({wall:.2f} s wall, {cpu:.2f} s CPU)"
+            )
+        print(" | ".join(line), flush=True)
+    return times, outs
+
+
 def vllm_python_or_none(python: str | None) -> str | None:
     """`python` where it exists; else None, saying so (a machine without the vLLM venv runs the
     other sides)."""
