@@ -122,6 +122,17 @@ def siglip2_family() -> list[Case]:
         text_limit=64,
         options={"padding_side": "left", "mask_pads": False},
     )
+    # Left pads masked: tidepool runs the text without them, at the positions they pushed it to
+    # (Request.first_position).
+    left_masked = _image(
+        "siglip2/left-pads-masked",
+        "Siglip2Model",
+        "siglip2",
+        4,
+        PATCH_192,
+        text_limit=64,
+        options={"padding_side": "left", "mask_pads": True},
+    )
     variants = [
         # More patches than the 4 x 4 position grid (interpolated up), and fewer.
         ("max-patches=32", {f"{MM}.SIGLIP2_MAX_PATCHES": 32}, PATCH_192, True),
@@ -132,6 +143,7 @@ def siglip2_family() -> list[Case]:
         *_both(siglip2, "image_embed", ci=True),
         *_variants(siglip2, "image_embed", variants),
         Case(left, "image_embed", "native", backend="sdpa"),
+        *_both(left_masked, "image_embed"),
     ]
 
 
