@@ -199,15 +199,21 @@ def _sharpen(model: torch.nn.Module) -> None:
 
 
 def build_siglip(
-    folder: Path, seed: int = 7, architecture: str = "SiglipModel", mask_pads: bool = True
+    folder: Path,
+    seed: int = 7,
+    architecture: str = "SiglipModel",
+    mask_pads: bool = True,
+    tokenizer=None,
 ) -> torch.nn.Module:
-    """A tiny SiglipModel (or SiglipVisionModel) saved in `folder` with its tokenizer and PIL
-    image processor (32 px resized without crop, 8 px patches), in eval mode."""
+    """A tiny SiglipModel (or SiglipVisionModel) saved in `folder` with its tokenizer (this
+    module's fast one, or `tokenizer` as given) and PIL image processor (32 px resized without
+    crop, 8 px patches), in eval mode."""
     import transformers
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = save_siglip_tokenizer(folder, mask_pads)
+    if tokenizer is None:
+        tokenizer = save_siglip_tokenizer(folder, mask_pads)
     images = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     transformers.SiglipProcessor(images, tokenizer).save_pretrained(str(folder))
     text = transformers.SiglipTextConfig(

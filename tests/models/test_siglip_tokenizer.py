@@ -22,7 +22,12 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from multimodal_models import CLIP_VISION, IMAGE_SIZE, SIGLIP_TEXT, SIGLIP_TEXT_LEN, _sharpen
+from multimodal_models import (
+    CLIP_VISION,
+    SIGLIP_TEXT,
+    SIGLIP_TEXT_LEN,
+    build_siglip,
+)
 from tolerances import assert_close
 
 from tidepool import LLM, PoolingParams
@@ -287,31 +292,15 @@ def test_known_differences_on_texts_that_spell_special_tokens(tokenizers):
 
 
 def _build_siglip_with_spiece(folder: Path, spiece: Path, seed: int = 7) -> torch.nn.Module:
-    """A tiny SiglipModel (tests/multimodal_models.py's towers) whose tokenizer is a
-    SiglipTokenizer folder (spiece.model, no tokenizer.json), padded to SIGLIP_TEXT_LEN."""
+    """A tiny SiglipModel (tests/multimodal_models.py's) whose tokenizer is a SiglipTokenizer
+    folder (spiece.model, no tokenizer.json), padded to SIGLIP_TEXT_LEN."""
     import transformers
-    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-    folder.mkdir(parents=True, exist_ok=True)
     tokenizer = transformers.SiglipTokenizer(
         vocab_file=str(spiece), model_max_length=SIGLIP_TEXT_LEN
     )
-    images = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    transformers.SiglipProcessor(images, tokenizer).save_pretrained(str(folder))
+    model = build_siglip(folder, seed=seed, tokenizer=tokenizer)
     assert not (folder / "tokenizer.json").exists()
-    text = transformers.SiglipTextConfig(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **SIGLIP_TEXT,
-    )
-    vision = transformers.SiglipVisionConfig(**CLIP_VISION)
-    torch.manual_seed(seed)
-    config = transformers.SiglipConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
-    model = transformers.SiglipModel(config).eval()
-    _sharpen(model)
-    model.save_pretrained(str(folder))
     return model
 
 
